@@ -1,0 +1,1 @@
+"""Code that runs on the ranks. Imports nothing from the notebook side."""

@@ -1,0 +1,186 @@
+"""The rank's side of the record channel: state, heartbeats, metrics and spans.
+
+Runs on every rank. Records are plain dicts packed with msgpack and PUSHed to the
+notebook kernel's PULL socket by one background thread, so the training thread
+never blocks on the network and never touches a ZMQ socket (they are not
+thread-safe). Without a notebook (a batch job), records are simply not sent.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+HEARTBEAT_INTERVAL_S = 0.5
+MAX_QUEUED_RECORDS = 50_000
+
+
+@dataclass
+class RankState:
+    """What this rank is doing now; read by the heartbeat, written by the hot path."""
+
+    phase: str = "idle"  # idle | running | collective
+    op: str = ""  # the collective in progress, if any
+    seq: int = 0  # collectives started so far (the collective sequence number)
+    op_started: float = 0.0
+    op_nbytes: int = 0
+    op_shape: str = ""
+    step: int = 0
+    cell: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class Agent:
+    """Owns the PUSH socket and the heartbeat thread of one rank."""
+
+    def __init__(self, rank: int, world_size: int, address: str | None):
+        self.rank = rank
+        self.world_size = world_size
+        self.address = address
+        self.state = RankState()
+        self.pid = os.getpid()
+        self.host = socket.gethostname()
+        self._queue: collections.deque = collections.deque(maxlen=MAX_QUEUED_RECORDS)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.device_memory = lambda: 0
+
+    # -- records -----------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        """Queue one record; cheap, never blocks, drops the oldest when full."""
+        if self.address is None:
+            return
+        fields["k"] = kind
+        fields["r"] = self.rank
+        fields.setdefault("t", time.time())
+        self._queue.append(fields)
+
+    def heartbeat(self) -> dict:
+        st = self.state
+        now = time.time()
+        return {
+            "k": "hb",
+            "r": self.rank,
+            "t": now,
+            "pid": self.pid,
+            "host": self.host,
+            "phase": st.phase,
+            "op": st.op,
+            "seq": st.seq,
+            "op_age": (now - st.op_started) if st.phase == "collective" else 0.0,
+            "op_nbytes": st.op_nbytes,
+            "op_shape": st.op_shape,
+            "step": st.step,
+            "cell": st.cell,
+            "rss": _rss_bytes(),
+            "dev_mem": int(self.device_memory()),
+        }
+
+    @contextmanager
+    def collective(self, op: str, nbytes: int = 0, shape: str = ""):
+        """Mark a collective in progress: heartbeats carry it, a span records it."""
+        st = self.state
+        previous = st.phase
+        st.seq += 1
+        st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
+        st.op_started = time.time()
+        st.phase = "collective"
+        try:
+            yield st.seq
+        finally:
+            end = time.time()
+            st.phase = previous
+            st.op = ""
+            self.emit("span", name=op, cat="comm", ts=st.op_started, dur=end - st.op_started,
+                      nbytes=nbytes, seq=st.seq, t=end)
+
+    # -- the thread --------------------------------------------------------------
+    def start(self) -> None:
+        if self.address is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="mpilab-agent", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def flush(self) -> None:
+        """Ask the thread to send what is queued now rather than at the next tick."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        import msgpack
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(self.address)
+        pack = msgpack.Packer(use_bin_type=True).pack
+        next_beat = 0.0
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._queue.append(self.heartbeat())
+                    next_beat = now + HEARTBEAT_INTERVAL_S
+                while self._queue:
+                    record = self._queue.popleft()
+                    try:
+                        sock.send(pack(record), zmq.NOBLOCK)
+                    except zmq.Again:
+                        break  # the notebook is not reading: drop rather than block
+                    except (TypeError, ValueError):
+                        continue  # a record msgpack cannot carry is dropped
+                self._wake.wait(max(0.0, next_beat - time.monotonic()))
+                self._wake.clear()
+        finally:
+            sock.close()
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
+_agent: Agent | None = None
+
+
+def current() -> Agent:
+    """This process's agent; a silent one until the bootstrap installs the real one."""
+    global _agent
+    if _agent is None:
+        _agent = Agent(rank=0, world_size=1, address=None)
+    return _agent
+
+
+def install(agent: Agent) -> Agent:
+    global _agent
+    if _agent is not None and _agent is not agent:
+        _agent.stop()
+    _agent = agent
+    agent.start()
+    return agent
+
+
+def log(step: int | None = None, **scalars: float) -> None:
+    """Send loss and friends to the dashboard (no-op in a batch job)."""
+    agent = current()
+    if step is None:
+        step = agent.state.step
+    values = {k: float(v) for k, v in scalars.items()}
+    agent.emit("log", step=int(step), values=values)

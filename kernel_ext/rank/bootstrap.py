@@ -1,0 +1,212 @@
+"""Rank bootstrap: MPI, node-local rank, device, torch.distributed, threads, agent.
+
+The same function serves the notebook's engines and batch jobs under mpiexec, so a
+training cell written in the notebook runs unchanged as a script.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from . import agent as agent_mod
+
+
+class BootstrapError(RuntimeError):
+    """The rank could not be set up; the message says what to do."""
+
+
+@dataclass
+class RankContext:
+    """What a rank knows about itself once bootstrapped."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    host: str
+    device: Any  # torch.device
+    backend: str
+    comm: Any  # mpi4py COMM_WORLD, for the user
+    node_comm: Any  # ranks sharing this node (COMM_TYPE_SHARED)
+    torch_threads: int
+
+    def summary(self) -> dict:
+        """Plain data for the notebook's start line and status table."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "backend": self.backend,
+            "torch_threads": self.torch_threads,
+        }
+
+
+_context: RankContext | None = None
+
+
+def context() -> RankContext:
+    """The bootstrapped context; a clear error when there is none."""
+    if _context is None:
+        raise BootstrapError(
+            "mpilab is not initialised on this process: start ranks with `%mpilab start` "
+            "in the notebook, or call mpilab.init() in a script run under mpiexec"
+        )
+    return _context
+
+
+def is_initialized() -> bool:
+    return _context is not None
+
+
+def parse_gpus(gpus: str | None, available: int) -> list[int]:
+    """`auto` → every visible GPU, `none` → none, `0,2` → those."""
+    spec = (gpus or "auto").strip().lower()
+    if spec == "none" or available == 0:
+        return []
+    if spec == "auto":
+        return list(range(available))
+    try:
+        chosen = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        raise BootstrapError(
+            f"--gpus {gpus!r} is not auto, none or a list like 0,1"
+        ) from None
+    bad = [g for g in chosen if not 0 <= g < available]
+    if bad:
+        raise BootstrapError(f"--gpus names GPU {bad[0]} but this node has {available}")
+    return chosen
+
+
+def choose_backend(requested: str, device_type: str) -> str:
+    requested = (requested or "auto").lower()
+    if requested == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    if requested not in ("nccl", "gloo"):
+        raise BootstrapError(f"backend {requested!r} is not auto, nccl or gloo")
+    if requested == "nccl" and device_type != "cuda":
+        raise BootstrapError("backend nccl needs GPUs; use --backend gloo on CPU ranks")
+    return requested
+
+
+def init(
+    gpus: str | None = "auto",
+    backend: str = "auto",
+    agent_address: str | None = None,
+    timeout: float = 120.0,
+) -> RankContext:
+    """Bootstrap this rank (idempotent) and return its context.
+
+    Call it once in a script started by ``mpiexec -n N python train.py``; the notebook's
+    ``%mpilab start`` calls it on every engine.
+    """
+    global _context
+    if _context is not None:
+        return _context
+
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    rank, world_size = comm.Get_rank(), comm.Get_size()
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
+    host = socket.gethostname()
+
+    import torch
+    import torch.distributed as dist
+
+    device, error = _bind_device(torch, gpus, local_rank)
+    # Everyone learns about a bad --gpus at once rather than hanging in rendezvous.
+    errors = comm.allgather(error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise BootstrapError(first)
+    chosen_backend = choose_backend(backend, device.type)
+
+    cores = _cores()
+    threads = max(1, cores // local_size)
+    torch.set_num_threads(threads)
+
+    if not dist.is_initialized():
+        _init_process_group(dist, comm, chosen_backend, rank, world_size, local_size, timeout)
+
+    _context = RankContext(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        local_size=local_size,
+        host=host,
+        device=device,
+        backend=chosen_backend,
+        comm=comm,
+        node_comm=node_comm,
+        torch_threads=threads,
+    )
+    agent = agent_mod.Agent(rank, world_size, agent_address or os.environ.get("MPILAB_AGENT"))
+    if device.type == "cuda":
+        agent.device_memory = lambda: torch.cuda.memory_allocated(device)
+    agent_mod.install(agent)
+    return _context
+
+
+def _bind_device(torch, gpus, local_rank):
+    try:
+        available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        chosen = parse_gpus(gpus, available)
+    except BootstrapError as e:
+        return torch.device("cpu"), str(e)
+    if not chosen:
+        return torch.device("cpu"), None
+    index = chosen[local_rank % len(chosen)]
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index), None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _rendezvous_host(comm, local_size: int, world_size: int) -> str:
+    """Loopback when every rank is on this node; else an address the others can reach."""
+    if local_size == world_size:
+        return "127.0.0.1"
+    explicit = os.environ.get("MPILAB_RENDEZVOUS_IP")
+    if explicit:
+        return explicit
+    # the address the kernel routes through to reach other hosts
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def _init_process_group(dist, comm, backend, rank, world_size, local_size, timeout):
+    """Rank 0 binds the store on a free port and broadcasts it over MPI: no guessing."""
+    wait = timedelta(seconds=timeout)
+    address = None
+    store = None
+    if rank == 0:
+        host = _rendezvous_host(comm, local_size, world_size)
+        try:
+            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=wait,
+                                  wait_for_workers=False)
+            address = (host, store.port)
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            address = ("error", f"rank 0 could not open the rendezvous store on {host}: {e}")
+    address = comm.bcast(address, root=0)
+    if address[0] == "error":
+        raise BootstrapError(address[1])
+    if store is None:
+        store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=wait)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
