@@ -1,14 +1,137 @@
 """The numpy allreduce the MPI path of mpilab's collectives goes through.
 
 One function, so the fastest available implementation is used everywhere
-(mpilab.allreduce, DataParallel(backend="mpi"), the benchmarks).
+(mpilab.allreduce, DataParallel(backend="mpi"), the benchmarks). It picks, per
+communicator and message size:
+
+- ``mpi``: MPI's own Iallreduce, for tiny messages (its latency is lower than a Python
+  barrier's) and where no two ranks share a node or shared memory is unavailable;
+- ``shm``: every rank of the communicator is on one node: the shared-memory engine
+  (`mpilab.rank.shm`) reduces in place at close to memory bandwidth;
+- ``hierarchical``: several nodes with several ranks each: reduce within each node
+  through shared memory, allreduce among one leader per node over MPI, broadcast back
+  within the node.
+
+Rules for callers:
+- The first call on a communicator sets up its plan *collectively* (a node split, a
+  shared window, a leaders' communicator) and caches it on the communicator as an MPI
+  attribute, so every rank of `comm` must make the same calls in the same order, as with
+  any MPI collective. A thread that communicates concurrently with another thread must
+  use its own communicator (``comm.Dup()``), made on all ranks in the same order.
+- Arrays: 1 element or more, C-contiguous; dtypes float16/32/64 and (u)int8-64. bfloat16
+  has no NumPy dtype: callers convert bfloat16 tensors to float32 before calling (a raw
+  uint16 view would be summed as integers, which is wrong).
+- Every rank gets bit-identical results (reductions use the same operand order on all
+  ranks), so data-parallel replicas never drift apart.
+- ``MPILAB_ALLREDUCE=mpi|shm`` forces a path (for comparisons and debugging);
+  ``MPILAB_EMULATE_NODE_SIZE=k`` splits each node into groups of k consecutive ranks, so
+  the hierarchical path can be exercised on one machine.
 """
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 
+from .shm import ShmEngine
 from .waiting import wait_interruptibly
+
+# Below this MPI's own allreduce wins on one node (measured with
+# benchmarks/bench_allreduce.py: MPICH's shared-memory eager path takes ~5-7 µs at 4 KiB,
+# our Python barrier plus copies ~8 µs).
+MPI_BELOW_BYTES = 2048
+
+_KINDS = "fiu"
+
+
+@dataclass
+class Plan:
+    """How allreduce_inplace runs on one communicator (created once per communicator)."""
+
+    shm: bool  # every rank agreed that shared memory works
+    node: ShmEngine | None  # this node's engine; None when the rank is alone on its node
+    node_comm: object
+    leaders: object | None  # node leaders' communicator; None on non-leaders/single-node
+    multi_node: bool
+    forced: str  # "", "mpi" or "shm"
+
+    def path(self, nbytes: int) -> str:
+        """The path a message of `nbytes` takes: mpi | shm | hierarchical."""
+        if not self.shm:
+            return "mpi"
+        if nbytes < MPI_BELOW_BYTES and self.forced != "shm":
+            return "mpi"
+        return "hierarchical" if self.multi_node else "shm"
+
+    def close(self) -> None:
+        if self.node is not None:
+            self.node.close()
+        for c in (self.leaders, self.node_comm):
+            if c is not None:
+                c.Free()
+
+
+_keyval: int | None = None
+
+
+def plan_for(comm) -> Plan:
+    """The cached plan of `comm`; the first call is collective on `comm`."""
+    global _keyval
+    from mpi4py import MPI
+
+    if _keyval is None:
+        _keyval = MPI.Comm.Create_keyval(delete_fn=lambda _comm, _key, plan: plan.close())
+    plan = comm.Get_attr(_keyval)
+    if plan is None:
+        plan = _make_plan(comm)
+        comm.Set_attr(_keyval, plan)
+    return plan
+
+
+def _make_plan(comm) -> Plan:
+    from mpi4py import MPI
+
+    forced = os.environ.get("MPILAB_ALLREDUCE", "auto").strip().lower()
+    if forced not in ("auto", "mpi", "shm"):
+        raise ValueError(f"MPILAB_ALLREDUCE={forced!r} is not auto, mpi or shm")
+    forced = "" if forced == "auto" else forced
+    node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+    emulate = int(os.environ.get("MPILAB_EMULATE_NODE_SIZE", "0") or 0)
+    if emulate > 0:
+        split = node_comm.Split(node_comm.Get_rank() // emulate, node_comm.Get_rank())
+        node_comm.Free()
+        node_comm = split
+    node_rank = node_comm.Get_rank()
+    nodes = comm.allreduce(1 if node_rank == 0 else 0)
+    # Shared memory only helps where some node holds ≥ 2 ranks; all ranks must agree.
+    shared = comm.allreduce(node_comm.Get_size(), op=MPI.MAX) > 1 and forced != "mpi"
+    node = None
+    if shared:
+        ok = 1
+        if node_comm.Get_size() > 1:
+            try:
+                node = ShmEngine(node_comm)
+            except MPI.Exception:
+                ok = 0
+        if not comm.allreduce(ok, op=MPI.MIN):
+            if node is not None:
+                node.close()
+            node, shared = None, False
+    leaders = None
+    if nodes > 1:
+        leaders = comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, comm.Get_rank())
+        if leaders == MPI.COMM_NULL:
+            leaders = None
+    return Plan(shared, node, node_comm, leaders, nodes > 1, forced)
+
+
+def _mpi_allreduce(array: np.ndarray, op: str, comm) -> None:
+    from mpi4py import MPI
+
+    mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
+    wait_interruptibly(comm.Iallreduce(MPI.IN_PLACE, array, mpi_op))
 
 
 def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
@@ -16,7 +139,28 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
 
     (mean is sum followed by a division, done by the caller.)
     """
-    from mpi4py import MPI
-
-    mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-    wait_interruptibly(comm.Iallreduce(MPI.IN_PLACE, array, mpi_op))
+    if op not in ("sum", "max", "min"):
+        raise ValueError(f"allreduce op {op!r} is not sum, max or min")
+    if not array.flags.c_contiguous:
+        raise ValueError("allreduce_inplace needs a C-contiguous array; pass a copy")
+    if array.dtype.kind not in _KINDS:
+        raise TypeError(
+            f"allreduce of dtype {array.dtype} is not supported: use a float or int array "
+            "(convert bfloat16 to float32 first)"
+        )
+    if array.size == 0:
+        return
+    plan = plan_for(comm)
+    flat = array.reshape(-1)
+    path = plan.path(flat.nbytes)
+    if path == "mpi":
+        _mpi_allreduce(flat, op, comm)
+    elif path == "shm":
+        plan.node.allreduce(flat, op)
+    else:
+        if plan.node is not None:
+            plan.node.allreduce(flat, op, to_root_only=True)
+        if plan.leaders is not None:
+            _mpi_allreduce(flat, op, plan.leaders)
+        if plan.node is not None:
+            plan.node.broadcast(flat, root=0)

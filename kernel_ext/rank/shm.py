@@ -1,0 +1,250 @@
+"""Shared-memory collectives among the ranks of one node (an MPI-3 shared window).
+
+Why: ranks on one node share memory, so an allreduce is bounded by memory bandwidth,
+not by a network. MPI's and gloo's intra-node channels copy each message several times
+through small bounce buffers; here every rank reads the others' data straight from one
+shared window, with NumPy kernels (which release the GIL) and one flag barrier per chunk.
+
+Layout of each rank's segment of the window::
+
+    [flag: one int64 in its own 64-byte cache line][slot 0: chunk_bytes][slot 1: chunk_bytes]
+
+Synchronisation: a barrier is "bump my flag to the next epoch, wait until every flag has
+reached it" (monotonic counters, so no reset race). `Win.Sync` around it is the memory
+barrier MPI's unified model asks for. Waiting polls in Python with yields and short
+sleeps, so a KeyboardInterrupt lands within a millisecond or so.
+
+Slot reuse rule (why two slots are enough): every use of a slot (one chunk of a
+collective) takes the next parity, alternating across chunks and across calls. Between
+two barriers a rank writes either the parity nobody reads in that phase, or a region of
+its own slot that nobody reads in that phase (see `_rsag`). So a slot is never
+overwritten while another rank may still read it, without any extra barrier.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+
+CACHE_LINE = 64
+# 1 MiB per slot: large enough that Python's per-chunk overhead (a few µs) is small
+# beside the copy, small enough that a chunk of every rank stays in L2/L3 cache.
+DEFAULT_CHUNK_BYTES = 1 << 20
+
+UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
+
+_HOT_SPINS = 64  # ~10 µs of pure polling: the partner usually arrives within that
+_YIELD_S = 0.001  # then give the core away (3 ranks on 2 cores must not starve)
+_MAX_SLEEP_S = 0.001
+
+
+class ShmBroken(RuntimeError):
+    """An earlier collective on this window stopped half-way; the ranks are out of step."""
+
+
+def _wait_flag(flag: np.ndarray, target: int) -> None:
+    """Wait until flag[0] >= target, staying responsive to signals."""
+    for _ in range(_HOT_SPINS):
+        if flag[0] >= target:
+            return
+    start = time.perf_counter()
+    while flag[0] < target:
+        waited = time.perf_counter() - start
+        if waited < _YIELD_S:
+            os.sched_yield()
+        else:
+            time.sleep(min(_MAX_SLEEP_S, waited / 16))
+
+
+class ShmEngine:
+    """Collectives over one shared-memory window spanning the ranks of `node_comm`.
+
+    Creation is collective on `node_comm`. One collective at a time per engine (a lock
+    serialises threads; different threads issuing collectives in different orders on
+    different ranks is an error in MPI terms too).
+    """
+
+    def __init__(self, node_comm, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        from mpi4py import MPI
+
+        self.comm = node_comm
+        self.size = node_comm.Get_size()
+        self.rank = node_comm.Get_rank()
+        self.chunk_bytes = chunk_bytes - chunk_bytes % CACHE_LINE
+        segment = CACHE_LINE + 2 * self.chunk_bytes
+        info = MPI.Info.Create()
+        info.Set("alloc_shared_noncontig", "true")  # each segment near its own rank
+        try:
+            self.win = MPI.Win.Allocate_shared(segment, 1, info=info, comm=node_comm)
+        finally:
+            info.Free()
+        self.win.Lock_all()
+        self._flags: list[np.ndarray] = []
+        self._slots: list[tuple[np.ndarray, np.ndarray]] = []
+        for r in range(self.size):
+            buf, _ = self.win.Shared_query(r)
+            raw = np.frombuffer(buf, np.uint8, count=segment)
+            self._flags.append(raw[:8].view(np.int64))
+            body = raw[CACHE_LINE:]
+            self._slots.append((body[: self.chunk_bytes], body[self.chunk_bytes :]))
+        self._flags[self.rank][0] = 0
+        self._epoch = 0
+        self._use = 0
+        self._lock = threading.Lock()
+        self._broken = False
+        self.barrier()  # every flag is initialised before anyone waits on it
+
+    def close(self) -> None:
+        """Free the window (collective on the node communicator)."""
+        self.win.Unlock_all()
+        self.win.Free()
+
+    # -- synchronisation ---------------------------------------------------------------
+    def barrier(self) -> None:
+        self._epoch += 1
+        epoch = self._epoch
+        self.win.Sync()  # release: my slot writes are visible before my flag
+        flags = self._flags
+        flags[self.rank][0] = epoch
+        for r in range(self.size):
+            if flags[r][0] < epoch:
+                _wait_flag(flags[r], epoch)
+        self.win.Sync()  # acquire: read the others' slots only after their flags
+
+    def _slot(self, r: int, parity: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._slots[r][parity][: count * dtype.itemsize].view(dtype)
+
+    def _next_parity(self) -> int:
+        self._use += 1
+        return self._use & 1
+
+    def _guarded(self, fn, *args) -> None:
+        """Run one collective; if it stops half-way, refuse the next (no silent hang)."""
+        with self._lock:
+            if self._broken:
+                raise ShmBroken(
+                    "an earlier collective on this communicator was interrupted half-way, "
+                    "so the ranks are out of step: restart them (%mpilab restart)"
+                )
+            try:
+                fn(*args)
+            except BaseException:
+                self._broken = True
+                raise
+
+    # -- collectives -----------------------------------------------------------------
+    def allreduce(self, arr: np.ndarray, op: str, to_root_only: bool = False) -> None:
+        """Reduce 1-D contiguous `arr` across the node in place.
+
+        With to_root_only, only node rank 0 is guaranteed the result (the first half of
+        the hierarchical allreduce), which saves the other ranks' copy-out.
+        """
+        if arr.nbytes <= self.oneshot_limit():
+            self._guarded(self._oneshot, arr, UFUNCS[op])
+        else:
+            self._guarded(self._rsag, arr, UFUNCS[op], to_root_only)
+
+    def oneshot_limit(self) -> int:
+        """Largest message reduced in one shot (every rank reduces everything).
+
+        Below ~64 KiB one barrier matters more than the (n-1)× redundant arithmetic.
+        """
+        return min(self.chunk_bytes, 64 << 10)
+
+    def _oneshot(self, arr: np.ndarray, ufunc) -> None:
+        p = self._next_parity()
+        n, dt = arr.size, arr.dtype
+        np.copyto(self._slot(self.rank, p, dt, n), arr)
+        self.barrier()
+        # The same order of operands on every rank, so every rank gets identical bits.
+        srcs = [self._slot(r, p, dt, n) for r in range(self.size)]
+        ufunc(srcs[0], srcs[1], out=arr)
+        for s in srcs[2:]:
+            ufunc(arr, s, out=arr)
+
+    def _rsag(self, arr: np.ndarray, ufunc, to_root_only: bool) -> None:
+        """Reduce-scatter then all-gather, chunk by chunk, one barrier per chunk.
+
+        Chunk j is split into one slice per rank; rank r owns slice r. Phase j (between
+        barriers) does: copy_out(j-1), reduce(j), copy_in(j+1), where
+          copy_in(k):  write my slices != me of chunk k into my slot (parity k)
+          reduce(k):   slice me of chunk k = my array's slice ⊕ the others' slots;
+                       written into slice me of my slot (parity k)
+          copy_out(k): read every owner's reduced slice of chunk k into my array
+        In one phase nobody reads what is being written: copy_in writes parity j+1
+        slices != owner while others read only the owner's slice of that parity;
+        reduce writes the owner's slice of parity j while others read the other slices.
+        """
+        size, me, dt = self.size, self.rank, arr.dtype
+        step = self.chunk_bytes // dt.itemsize
+        unit = max(1, CACHE_LINE // dt.itemsize)  # slice edges on cache lines
+        starts = range(0, arr.size, step)
+        chunks = [arr[s : s + step] for s in starts]
+        parities = [self._next_parity() for _ in chunks]
+
+        def edges(m: int) -> list[int]:
+            return [m * r // size // unit * unit for r in range(size)] + [m]
+
+        def copy_in(k: int) -> None:
+            c = chunks[k]
+            b = edges(c.size)
+            mine = self._slot(me, parities[k], dt, c.size)
+            if b[me] > 0:
+                np.copyto(mine[: b[me]], c[: b[me]])
+            if b[me + 1] < c.size:
+                np.copyto(mine[b[me + 1] :], c[b[me + 1] :])
+
+        def reduce(k: int) -> None:
+            c = chunks[k]
+            b = edges(c.size)
+            sl = slice(b[me], b[me + 1])
+            srcs = [c[sl] if r == me else self._slot(r, parities[k], dt, c.size)[sl]
+                    for r in range(size)]
+            dst = self._slot(me, parities[k], dt, c.size)[sl]
+            ufunc(srcs[0], srcs[1], out=dst)
+            for s in srcs[2:]:
+                ufunc(dst, s, out=dst)
+
+        def copy_out(k: int) -> None:
+            if to_root_only and me != 0:
+                return
+            c = chunks[k]
+            b = edges(c.size)
+            for r in range(size):
+                sl = slice(b[r], b[r + 1])
+                np.copyto(c[sl], self._slot(r, parities[k], dt, c.size)[sl])
+
+        copy_in(0)
+        self.barrier()
+        for j in range(len(chunks)):
+            if j > 0:
+                copy_out(j - 1)
+            reduce(j)
+            if j + 1 < len(chunks):
+                copy_in(j + 1)
+            self.barrier()
+        copy_out(len(chunks) - 1)
+
+    def broadcast(self, arr: np.ndarray, root: int = 0) -> None:
+        """Broadcast 1-D contiguous `arr` from node rank `root`, pipelined by chunk.
+
+        Phase j: root writes chunk j (parity j) while the others read chunk j-1.
+        """
+        self._guarded(self._broadcast, arr, root)
+
+    def _broadcast(self, arr: np.ndarray, root: int) -> None:
+        dt = arr.dtype
+        step = self.chunk_bytes // dt.itemsize
+        chunks = [arr[s : s + step] for s in range(0, arr.size, step)]
+        parities = [self._next_parity() for _ in chunks]
+        for j in range(len(chunks) + 1):
+            if self.rank == root and j < len(chunks):
+                np.copyto(self._slot(root, parities[j], dt, chunks[j].size), chunks[j])
+            elif self.rank != root and j > 0:
+                c = chunks[j - 1]
+                np.copyto(c, self._slot(root, parities[j - 1], dt, c.size))
+            if j < len(chunks):
+                self.barrier()
