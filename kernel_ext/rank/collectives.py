@@ -1,0 +1,192 @@
+"""Instrumented, interruptible collectives on tensors: allreduce, broadcast, allgather, barrier.
+
+Every call is announced to the rank agent (``agent.collective``) so heartbeats show which
+collective a rank is in and the dashboard gets a comm span; every wait polls a
+non-blocking request so the notebook's stop button lands within milliseconds.
+
+Two transports: MPI (mpi4py on NumPy views of CPU tensors; GPU tensors are staged
+through host memory) and torch.distributed (gloo on CPU, NCCL on GPU). ``backend="auto"``
+picks MPI for CPU tensors and torch.distributed for GPU tensors. mpilab's own MPI
+traffic runs on a private duplicate of COMM_WORLD, so a user's messages on ``comm``
+can never match mpilab's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from . import agent as agent_mod
+from . import bootstrap
+from .fast_allreduce import allreduce_inplace
+from .waiting import wait_interruptibly
+
+OPS = ("sum", "mean", "max", "min")
+BACKENDS = ("auto", "mpi", "torch")
+# MPI has no bfloat16 and half-precision sums lose accuracy: reduce these in float32.
+_WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+_MPI_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
+               torch.int64, torch.int8, torch.uint8}
+
+_private_comm: Any = None
+
+
+def private_comm() -> Any:
+    """mpilab's own communicator (a dup of COMM_WORLD), created on first use.
+
+    Creating it is collective: the first mpilab collective runs on every rank anyway.
+    """
+    global _private_comm
+    if _private_comm is None:
+        _private_comm = bootstrap.context().comm.Dup()
+    return _private_comm
+
+
+def resolve_backend(backend: str, tensor: torch.Tensor | None) -> str:
+    """auto → MPI for CPU tensors, torch.distributed (NCCL) for GPU tensors."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != "auto":
+        return backend
+    return "torch" if tensor is not None and tensor.device.type != "cpu" else "mpi"
+
+
+def _check_op(op: str, tensor: torch.Tensor) -> None:
+    if op not in OPS:
+        raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}")
+    if op == "mean" and not tensor.is_floating_point():
+        raise TypeError(f"op='mean' needs a floating-point tensor, got {tensor.dtype}")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _shape(tensor: torch.Tensor) -> str:
+    return "x".join(str(s) for s in tensor.shape) or "scalar"
+
+
+def wait_work(work: Any) -> None:
+    """Wait for a torch.distributed Work handle, staying responsive to signals."""
+    sleep = 0.0
+    while not work.is_completed():
+        sleep = min(0.002, sleep * 2 or 0.00005)
+        time.sleep(sleep)
+    work.wait()  # raises the collective's error, if any
+
+
+def _host_buffer(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of `dtype` with `tensor`'s values (`tensor` itself if it can)."""
+    if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+
+
+def _as_bytes(buf: torch.Tensor) -> Any:
+    """A zero-copy uint8 NumPy view (works for every dtype, bfloat16 included)."""
+    return buf.view(-1).view(torch.uint8).numpy()
+
+
+def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
+              backend: str = "auto") -> Any:
+    """Reduce `tensor` across ranks in place and return it; a list goes through tensor fusion."""
+    if isinstance(tensor, (list, tuple)):
+        from .fusion import grouped_allreduce
+
+        return grouped_allreduce(list(tensor), op=op, backend=backend)
+    bootstrap.context()
+    _check_op(op, tensor)
+    chosen = resolve_backend(backend, tensor)
+    with agent_mod.current().collective("allreduce", _nbytes(tensor), _shape(tensor)):
+        if chosen == "mpi":
+            _mpi_allreduce(tensor, op)
+        else:
+            _torch_allreduce(tensor, op)
+    return tensor
+
+
+def _mpi_allreduce(tensor: torch.Tensor, op: str) -> None:
+    if tensor.dtype not in _MPI_DTYPES:
+        raise TypeError(f"allreduce over MPI does not support {tensor.dtype}")
+    buf = _host_buffer(tensor, _WIDEN.get(tensor.dtype, tensor.dtype))
+    with torch.no_grad():
+        allreduce_inplace(buf.view(-1).numpy(), "sum" if op == "mean" else op, private_comm())
+        if op == "mean":
+            buf.div_(bootstrap.context().world_size)
+        if buf is not tensor:
+            tensor.copy_(buf)
+
+
+def _torch_allreduce(tensor: torch.Tensor, op: str) -> None:
+    import torch.distributed as dist
+
+    reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
+                 "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+    with torch.no_grad():
+        wait_work(dist.all_reduce(buf, op=reduce_op, async_op=True))
+        if op == "mean":
+            buf.div_(dist.get_world_size())
+        if buf is not tensor:
+            tensor.copy_(buf)
+
+
+def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> torch.Tensor:
+    """Copy rank `root`'s `tensor` into `tensor` on every rank; returns it."""
+    ctx = bootstrap.context()
+    if not 0 <= root < ctx.world_size:
+        raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
+    chosen = resolve_backend(backend, tensor)
+    with agent_mod.current().collective("broadcast", _nbytes(tensor), _shape(tensor)), \
+            torch.no_grad():
+        if chosen == "mpi":
+            buf = _host_buffer(tensor, tensor.dtype)
+            wait_interruptibly(private_comm().Ibcast(_as_bytes(buf), root=root))
+            if buf is not tensor:
+                tensor.copy_(buf)
+        else:
+            import torch.distributed as dist
+
+            buf = tensor if tensor.is_contiguous() else tensor.contiguous()
+            wait_work(dist.broadcast(buf, src=root, async_op=True))
+            if buf is not tensor:
+                tensor.copy_(buf)
+    return tensor
+
+
+def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Every rank's `tensor` stacked: a new tensor of shape [world_size, *tensor.shape]."""
+    ctx = bootstrap.context()
+    chosen = resolve_backend(backend, tensor)
+    out = torch.empty((ctx.world_size, *tensor.shape), dtype=tensor.dtype,
+                      device=tensor.device)
+    with agent_mod.current().collective("allgather", _nbytes(tensor), _shape(tensor)), \
+            torch.no_grad():
+        if chosen == "mpi":
+            send = _host_buffer(tensor, tensor.dtype)
+            recv = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+            wait_interruptibly(private_comm().Iallgather(_as_bytes(send), _as_bytes(recv)))
+            if recv is not out:
+                out.copy_(recv)
+        else:
+            import torch.distributed as dist
+
+            wait_work(dist.all_gather(list(out.unbind(0)), tensor.contiguous(),
+                                      async_op=True))
+    return out
+
+
+def barrier(backend: str = "auto") -> None:
+    """Wait until every rank gets here (MPI unless backend="torch")."""
+    bootstrap.context()
+    chosen = resolve_backend(backend, None)
+    with agent_mod.current().collective("barrier"):
+        if chosen == "mpi":
+            wait_interruptibly(private_comm().Ibarrier())
+        else:
+            import torch.distributed as dist
+
+            wait_work(dist.barrier(async_op=True))

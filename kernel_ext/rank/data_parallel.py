@@ -1,0 +1,438 @@
+"""mpilab.DataParallel: synchronous data-parallel training over MPI or torch.distributed.
+
+``backend="mpi"`` is mpilab's own gradient synchronisation, in the manner of Theano-MPI
+and Horovod: parameters are grouped into buckets in reverse order (the order backward
+produces their gradients); a post-accumulate-grad hook copies each gradient into its
+bucket's flat buffer and points ``param.grad`` at that slot, so later steps accumulate in
+place. A full bucket is handed at once to one background communication thread that
+allreduces it (``allreduce_inplace`` on a zero-copy NumPy view), so communication
+overlaps the rest of backward. A callback queued on the autograd engine waits for every
+bucket at the end of backward, so gradients are averaged before any optimizer step.
+
+Buckets are started strictly in index order and travel on one thread and one private
+communicator, so every rank issues the same collectives in the same order.
+
+``backend="torch"`` is torch's DistributedDataParallel with torch's own comm hooks wrapped
+by a timing hook. Both backends emit one ``step`` record per synchronised step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import agent as agent_mod
+from . import bootstrap, collectives
+from .fast_allreduce import allreduce_inplace
+from .waiting import wait_interruptibly
+
+BACKENDS = ("mpi", "torch")
+COMPRESSIONS = (None, "fp16", "bf16")
+_WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class DataParallelConfig:
+    """How gradients travel; validated before anything collective happens."""
+
+    backend: str = "mpi"
+    bucket_mb: float = 25.0
+    compression: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"DataParallel backend {self.backend!r} is not one of "
+                             f"{', '.join(BACKENDS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"DataParallel compression {self.compression!r} is not None, "
+                             "'fp16' or 'bf16'")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+
+@dataclass
+class _StepClock:
+    """Per-step timing, accumulated by the hooks and emitted once per synchronised step."""
+
+    step: int = 0
+    last_sync: float | None = None
+    first_forward: float | None = None
+    samples: int = 0
+    comm_s: float = 0.0
+    nbytes: int = 0
+
+    def forward(self, args: tuple, kwargs: dict) -> None:
+        if self.first_forward is None:
+            self.first_forward = time.perf_counter()
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                self.samples += int(value.shape[0]) if value.dim() else 1
+                return
+
+    def synced(self, exposed_wait_s: float) -> None:
+        """One gradient synchronisation finished: record it and start the next step."""
+        now = time.perf_counter()
+        start = self.last_sync if self.last_sync is not None else self.first_forward or now
+        dur = now - start
+        self.step += 1
+        agent = agent_mod.current()
+        agent.state.step = self.step
+        agent.emit("step", step=self.step, dur=dur, compute=max(0.0, dur - exposed_wait_s),
+                   comm=self.comm_s, nbytes=self.nbytes, samples=self.samples)
+        self.last_sync = now
+        self.first_forward = None
+        self.samples = 0
+        self.comm_s = 0.0
+        self.nbytes = 0
+
+
+# --------------------------------------------------------------------------- MPI backend
+@dataclass(eq=False)
+class _Bucket:
+    """A group of parameters whose gradients travel together in one allreduce."""
+
+    index: int
+    params: list[nn.Parameter]
+    slots: list[torch.Tensor]  # views of `flat`, one per parameter, shaped like it
+    flat: torch.Tensor  # the gradients, in the parameters' dtype and device
+    wire: torch.Tensor  # what is reduced: `flat`, or its half-precision copy
+    host: torch.Tensor  # `wire` itself on CPU; a pinned host copy of it on GPU
+    world_size: int
+    compression: str | None
+    ready: list[bool] = field(default_factory=list)
+    n_ready: int = 0
+    copied: Any = None  # CUDA event: the device-to-host copy is done
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+    comm_s: float = 0.0
+
+    @property
+    def nbytes(self) -> int:
+        return self.wire.numel() * self.wire.element_size()
+
+    def reset(self) -> None:
+        self.ready = [False] * len(self.params)
+        self.n_ready = 0
+        self.done.clear()
+        self.error = None
+
+
+class _CommThread:
+    """The one thread (and private communicator) that reduces DataParallel buckets.
+
+    Shared by every DataParallel of the process: one FIFO keeps all ranks' collectives
+    in the same order, and one communicator is created however often a cell rewraps.
+    """
+
+    def __init__(self, comm: Any):
+        self.comm = comm
+        self.queue: queue.SimpleQueue[_Bucket] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            bucket = self.queue.get()
+            start = time.perf_counter()
+            try:
+                if bucket.copied is not None:
+                    bucket.copied.synchronize()
+                shape = str(bucket.host.numel())
+                with agent_mod.current().collective("dp_allreduce", bucket.nbytes, shape):
+                    self._reduce(bucket)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+                bucket.error = e
+            bucket.comm_s = time.perf_counter() - start
+            bucket.done.set()
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        if bucket.compression == "bf16":
+            # MPI has no bfloat16 type: gather the 16-bit words (same bytes on the wire
+            # as a 2-rank allreduce) and sum in float32, in rank order on every rank.
+            recv = torch.empty((bucket.world_size, bucket.host.numel()), dtype=torch.bfloat16)
+            wait_interruptibly(self.comm.Iallgather(bucket.host.view(torch.int16).numpy(),
+                                                    recv.view(torch.int16).numpy()))
+            bucket.host.copy_(recv.float().sum(0))
+        else:
+            allreduce_inplace(bucket.host.numpy(), "sum", self.comm)
+
+
+_comm_thread: _CommThread | None = None
+
+
+def _shared_comm_thread() -> _CommThread:
+    """Created at the first wrap, which runs on every rank (Dup is collective)."""
+    global _comm_thread
+    if _comm_thread is None:
+        _comm_thread = _CommThread(bootstrap.context().comm.Dup())
+    return _comm_thread
+
+
+class _MPIGradSync:
+    """Bucketed, overlapped gradient averaging over MPI for one model."""
+
+    def __init__(self, params: list[nn.Parameter], cfg: DataParallelConfig, world_size: int,
+                 clock: _StepClock):
+        self.world_size = world_size
+        self.clock = clock
+        self.comm = _shared_comm_thread()
+        self.enabled = True
+        self.buckets = _make_buckets(params, cfg, world_size)
+        self.where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        for bucket in self.buckets:
+            bucket.reset()
+            for i, p in enumerate(bucket.params):
+                self.where[p] = (bucket, i)
+                p.register_post_accumulate_grad_hook(self._on_grad)
+        self.next_bucket = 0
+        self.pending = False
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self.pending:
+            self.pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket, i = self.where[p]
+        if bucket.ready[i]:
+            return  # a second backward through the same graph before the sync
+        slot = bucket.slots[i]
+        with torch.no_grad():
+            if p.grad.data_ptr() != slot.data_ptr():
+                slot.copy_(p.grad)
+                p.grad = slot
+        bucket.ready[i] = True
+        bucket.n_ready += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start full buckets in index order, so every rank reduces them in one order."""
+        while self.next_bucket < len(self.buckets):
+            bucket = self.buckets[self.next_bucket]
+            if bucket.n_ready < len(bucket.params):
+                return
+            self._launch(bucket)
+            self.next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        with torch.no_grad():
+            bucket.flat.div_(self.world_size)  # before any narrowing: no fp16 overflow
+            if bucket.wire is not bucket.flat:
+                bucket.wire.copy_(bucket.flat)
+            if bucket.host is not bucket.wire:
+                bucket.host.copy_(bucket.wire, non_blocking=True)
+                bucket.copied = torch.cuda.Event()
+                bucket.copied.record()
+        self.clock.nbytes += bucket.nbytes
+        self.comm.queue.put(bucket)
+
+    def _finish(self) -> None:
+        """End of backward: reduce what no hook reported (unused parameters), then wait."""
+        self.pending = False
+        for bucket in self.buckets[self.next_bucket:]:
+            with torch.no_grad():
+                for i, p in enumerate(bucket.params):
+                    if not bucket.ready[i]:
+                        bucket.slots[i].zero_()
+                        p.grad = bucket.slots[i]
+                        bucket.ready[i] = True
+                        bucket.n_ready += 1
+        self._launch_ready()
+        self.next_bucket = 0
+        wait_start = time.perf_counter()
+        for bucket in self.buckets:
+            while not bucket.done.wait(0.05):
+                pass
+        exposed = time.perf_counter() - wait_start
+        errors = [b.error for b in self.buckets if b.error is not None]
+        for bucket in self.buckets:
+            self.clock.comm_s += bucket.comm_s
+            with torch.no_grad():
+                if bucket.host is not bucket.wire:
+                    bucket.wire.copy_(bucket.host, non_blocking=True)
+                if bucket.wire is not bucket.flat:
+                    bucket.flat.copy_(bucket.wire)
+            bucket.reset()
+        if errors:
+            raise RuntimeError(f"gradient allreduce failed: {errors[0]}") from errors[0]
+        self.clock.synced(exposed)
+
+
+def _make_buckets(params: list[nn.Parameter], cfg: DataParallelConfig,
+                  world_size: int) -> list[_Bucket]:
+    """Reverse parameter order, at most bucket_mb each, one dtype and device per bucket."""
+    limit = int(cfg.bucket_mb * 2**20)
+    groups: list[list[nn.Parameter]] = []
+    size = 0
+    for p in reversed(params):
+        current = groups[-1] if groups else None
+        fits = (current is not None and size + p.numel() * p.element_size() <= limit
+                and current[0].dtype == p.dtype and current[0].device == p.device)
+        if not fits:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.numel() * p.element_size()
+    buckets = []
+    for index, group in enumerate(groups):
+        dtype, device = group[0].dtype, group[0].device
+        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+        slots, offset = [], 0
+        for p in group:
+            slots.append(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        wire_dtype = _WIRE_DTYPE.get(cfg.compression, dtype) if dtype.is_floating_point else dtype
+        wire = flat if wire_dtype == dtype else torch.zeros_like(flat, dtype=wire_dtype)
+        host = wire if device.type == "cpu" else torch.zeros_like(wire, device="cpu").pin_memory()
+        buckets.append(_Bucket(index, group, slots, flat, wire, host, world_size,
+                               cfg.compression if wire is not flat else None))
+    return buckets
+
+
+# ------------------------------------------------------------------------- torch backend
+class _TimedHook:
+    """Wraps one of torch's DDP comm hooks: times every bucket and closes each step."""
+
+    def __init__(self, inner: Any, wire_bytes: int | None, clock: _StepClock):
+        self.inner = inner
+        self.wire_bytes = wire_bytes
+        self.clock = clock
+        self.pending = False
+        self.backward_done = 0.0
+        self.bucket_times: list[float] = []
+
+    def hook(self, state, bucket):  # noqa: ANN001, ANN201 - DDP rejects other annotations
+        """The comm hook DDP calls for every bucket."""
+        if not self.pending:
+            self.pending = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        buffer = bucket.buffer()
+        self.clock.nbytes += buffer.numel() * (self.wire_bytes or buffer.element_size())
+        start = time.perf_counter()
+        times = self.bucket_times
+
+        def done(fut: torch.futures.Future) -> Any:
+            times.append(time.perf_counter() - start)
+            return fut.value()
+
+        return self.inner(state, bucket).then(done)
+
+    def _backward_done(self) -> None:
+        # Queued before DDP's own finalize: queue one more callback to run after it.
+        self.backward_done = time.perf_counter()
+        torch.autograd.Variable._execution_engine.queue_callback(self._synced)
+
+    def _synced(self) -> None:
+        self.pending = False
+        self.clock.comm_s += sum(self.bucket_times)
+        self.bucket_times.clear()
+        self.clock.synced(time.perf_counter() - self.backward_done)
+
+
+def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
+              clock: _StepClock) -> nn.Module:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(
+        model, device_ids=[device] if device.type == "cuda" else None,
+        bucket_cap_mb=cfg.bucket_mb,
+    )
+    inner, wire_bytes = {
+        None: (default_hooks.allreduce_hook, None),
+        "fp16": (default_hooks.fp16_compress_hook, 2),
+        "bf16": (default_hooks.bf16_compress_hook, 2),
+    }[cfg.compression]
+    ddp.register_comm_hook(None, _TimedHook(inner, wire_bytes, clock).hook)
+    return ddp
+
+
+# ------------------------------------------------------------------------------- common
+def check_same_parameters(model: nn.Module) -> None:
+    """Every rank must hold the same parameters: name the first difference and the ranks."""
+    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    everyone = collectives.private_comm().allgather(mine)
+    reference = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        if theirs == reference:
+            continue
+        for (n0, s0, d0), (n1, s1, d1) in zip(reference, theirs, strict=False):
+            if (n0, s0, d0) != (n1, s1, d1):
+                raise ValueError(
+                    f"DataParallel: parameter {n0!r} is {list(s0)} {d0} on rank 0 but rank "
+                    f"{rank} has {n1!r} {list(s1)} {d1}; every rank must build the same model")
+        longer = reference if len(reference) > len(theirs) else theirs
+        first_extra = longer[min(len(reference), len(theirs))][0]
+        raise ValueError(
+            f"DataParallel: rank 0 has {len(reference)} parameters but rank {rank} has "
+            f"{len(theirs)} (first extra: {first_extra!r}); every rank must build the same model")
+
+
+class DataParallel(nn.Module):
+    """Wrap `model` for synchronous data-parallel training across the ranks.
+
+    Forward, ``state_dict`` and attribute access behave like the plain model's; gradients
+    are averaged over ranks by the end of ``backward()``; ``no_sync()`` skips that for
+    gradient accumulation. Any torch optimizer works on ``model.parameters()``.
+    """
+
+    def __init__(self, model: nn.Module, backend: str = "mpi", bucket_mb: float = 25.0,
+                 compression: str | None = None):
+        super().__init__()
+        ctx = bootstrap.context()
+        self.config = DataParallelConfig(backend, bucket_mb, compression)
+        self.module = model
+        self._clock = _StepClock()
+        check_same_parameters(model)
+        if self.config.backend == "torch":
+            self._ddp = _wrap_ddp(model, self.config, ctx.device, self._clock)
+            self._sync = None
+        else:
+            with torch.no_grad():
+                for tensor in (*model.parameters(), *model.buffers()):
+                    collectives.broadcast(tensor.data, root=0, backend="mpi")
+            self._ddp = None
+            params = [p for p in model.parameters() if p.requires_grad]
+            self._sync = _MPIGradSync(params, self.config, ctx.world_size, self._clock)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._clock.forward(args, kwargs)
+        if self._ddp is not None:
+            return self._ddp(*args, **kwargs)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients; the next one outside syncs."""
+        if self._ddp is not None:
+            with self._ddp.no_sync():
+                yield
+            return
+        self._sync.enabled = False
+        try:
+            yield
+        finally:
+            self._sync.enabled = True
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules:
+                return getattr(modules["module"], name)
+            raise

@@ -1,0 +1,189 @@
+"""DataParallel on a real 2-rank cluster: equivalence with one big-batch process, errors."""
+
+from __future__ import annotations
+
+import pytest
+from mpirun import run_ranks
+
+# mpiexec can interleave long lines from two ranks: rank 0 reports everyone's results.
+_GATHER = """
+def report_all(obj):
+    everyone = ctx.comm.gather(obj, root=0)
+    if ctx.rank == 0:
+        report(everyone)
+"""
+
+
+def run_gathered(code: str, n: int = 2, timeout: float = 240) -> list:
+    """Each rank calls report_all(obj) once; returns the objects by rank."""
+    return run_ranks(_GATHER + code, n=n, timeout=timeout)[0]
+
+# Every variant trains K steps of plain SGD with batch B per rank and is compared with
+# one process training on the same 2B samples per step (computed on each rank locally).
+_TRAIN = """
+import torch
+from torch import nn
+from mpilab.rank import agent
+
+K, B = 4, 8
+records = []
+agent.current().emit = lambda kind, **f: records.append((kind, f))
+
+def make(extra=False):
+    torch.manual_seed(1)
+    layers = [nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)]
+    model = nn.Sequential(*layers)
+    if extra:  # a parameter no forward uses: no gradient hook fires for it
+        model.register_module("unused", nn.Linear(4, 4))
+        model.forward = lambda x: nn.Sequential.forward(model[:5], x)
+    return model
+
+g = torch.Generator().manual_seed(2)
+X = torch.randn(K * 2 * B, 8, generator=g)
+Y = torch.randint(0, 3, (K * 2 * B,), generator=g)
+loss_fn = nn.CrossEntropyLoss()
+
+def train(model, batches, accumulate=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for k in range(K):
+        x, y = batches(k)
+        opt.zero_grad()
+        if accumulate:
+            h = len(x) // 2
+            with model.no_sync():
+                (loss_fn(model(x[:h]), y[:h]) / 2).backward()
+            (loss_fn(model(x[h:]), y[h:]) / 2).backward()
+        else:
+            loss_fn(model(x), y).backward()
+        opt.step()
+    return model
+
+start = [p.detach().clone() for p in make().parameters()]
+ref = train(make(), lambda k: (X[k * 2 * B:(k + 1) * 2 * B], Y[k * 2 * B:(k + 1) * 2 * B]))
+ref_params = [p.detach().clone() for p in ref.parameters()]
+
+def mine(k):
+    lo = k * 2 * B + ctx.rank * B
+    return X[lo:lo + B], Y[lo:lo + B]
+
+out = {}
+for backend in ("mpi", "torch"):
+    for name, kw, acc in [("plain", {}, False), ("buckets", {"bucket_mb": 0.002}, False),
+                          ("no_sync", {"bucket_mb": 0.002}, True),
+                          ("fp16", {"compression": "fp16"}, False),
+                          ("bf16", {"compression": "bf16"}, False)]:
+        model = make()
+        with torch.no_grad():  # different start on rank 1: the wrap must broadcast rank 0's
+            for p in model.parameters():
+                p.add_(ctx.rank)
+        records.clear()
+        dp = mpilab.DataParallel(model, backend=backend, **kw)
+        train(dp, mine, accumulate=acc)
+        err = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref_params))
+        num = sum(((p - r) ** 2).sum() for p, r in zip(model.parameters(), ref_params)) ** 0.5
+        den = sum(((r - s) ** 2).sum() for r, s in zip(ref_params, start)) ** 0.5
+        steps = [f for kind, f in records if kind == "step"]
+        out[f"{backend}-{name}"] = {
+            "err": err, "rel_update_err": float(num / den),
+            "steps": [f["step"] for f in steps], "samples": [f["samples"] for f in steps],
+            "nbytes_ok": all(f["nbytes"] > 0 for f in steps),
+            "times_ok": all(0 <= f["compute"] <= f["dur"] + 1e-9 and f["comm"] >= 0
+                            for f in steps),
+            "agent_step": agent.current().state.step,
+            "keys_plain": list(dp.state_dict()) == list(make().state_dict()),
+            "forward_same": torch.equal(dp(X[:3]), model(X[:3])),
+        }
+
+# an unused parameter (no hook fires for it) must not hang the MPI backend
+model = make(extra=True)
+dp = mpilab.DataParallel(model, bucket_mb=0.002)
+train(dp, mine)
+out["unused_grad_zero"] = bool((model.unused.weight.grad == 0).all())
+report_all(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def trained() -> list:
+    return run_gathered(_TRAIN)
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("variant", ["plain", "buckets", "no_sync"])
+def test_matches_one_process_with_the_global_batch(trained: list, backend: str,
+                                                   variant: str) -> None:
+    for rank_out in trained:
+        assert rank_out[f"{backend}-{variant}"]["err"] < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compression_stays_close(trained: list, backend: str, compression: str) -> None:
+    # fp16 keeps 11 bits of mantissa; bf16 only 8, so it gets a looser bound
+    bound = 1e-2 if compression == "fp16" else 5e-2
+    for rank_out in trained:
+        assert rank_out[f"{backend}-{compression}"]["rel_update_err"] < bound
+    assert trained[0][f"{backend}-{compression}"]["err"] == trained[1][
+        f"{backend}-{compression}"]["err"], "ranks diverged"
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_one_step_record_per_optimizer_step(trained: list, backend: str) -> None:
+    for variant in ("plain", "buckets", "no_sync", "fp16"):
+        got = trained[0][f"{backend}-{variant}"]
+        assert got["steps"] == [1, 2, 3, 4]
+        assert got["samples"] == [8, 8, 8, 8]  # both micro-batches counted with no_sync
+        assert got["nbytes_ok"] and got["times_ok"]
+        assert got["agent_step"] == 4
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_wrapped_model_looks_like_the_plain_one(trained: list, backend: str) -> None:
+    got = trained[1][f"{backend}-plain"]
+    assert got["keys_plain"] and got["forward_same"]
+
+
+def test_unused_parameters_do_not_hang(trained: list) -> None:
+    assert trained[0]["unused_grad_zero"]
+
+
+_ERRORS = """
+import torch
+from torch import nn
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+shape = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 3 if ctx.rank == 0 else 5))
+count = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 + ctx.rank)])
+report_all({
+    "shape": error_of(lambda: mpilab.DataParallel(shape)),
+    "count": error_of(lambda: mpilab.DataParallel(count, backend="torch")),
+    "backend": error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), backend="nccl2")),
+    "compression": error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), compression="int8")),
+})
+"""
+
+
+def test_bad_input_is_named() -> None:
+    for got in run_gathered(_ERRORS):
+        assert "'1.weight'" in got["shape"] and "rank 1" in got["shape"]
+        assert "[3, 4]" in got["shape"] and "[5, 4]" in got["shape"]
+        assert "rank 0 has 4 parameters but rank 1 has 6" in got["count"]
+        assert "'2.weight'" in got["count"]
+        assert "nccl2" in got["backend"] and "mpi, torch" in got["backend"]
+        assert "'int8'" in got["compression"]
+
+
+def test_outside_a_cluster_says_so() -> None:
+    from mpilab.rank import bootstrap
+    from mpilab.rank.data_parallel import DataParallel
+    from torch import nn
+
+    assert not bootstrap.is_initialized()
+    with pytest.raises(bootstrap.BootstrapError, match="not initialised"):
+        DataParallel(nn.Linear(2, 2))
