@@ -1,0 +1,340 @@
+"""Unit tests of the widgets: downsampling, throttling, and figures from a synthetic store."""
+
+from __future__ import annotations
+
+import json
+import queue
+import textwrap
+import time
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+from mpilab.channel import MetricsStore
+from mpilab.widgets import (
+    Dashboard,
+    StatusTable,
+    bench_figure,
+    bench_table,
+    downsample,
+    figure_bundle,
+    human_bytes,
+    status_text,
+)
+from mpilab.widgets.dashboard import MIN_REDRAW_INTERVAL_S
+from mpilab.widgets.plotting import EXACT_POINTS, MAX_POINTS, WIDGET_VIEW_MIME
+
+T0 = 1_700_000_000.0
+
+
+def step_record(rank: int, step: int, *, dur=0.1, compute=0.06, comm=0.03, nbytes=4_000_000,
+                samples=32, t=None) -> dict:
+    return {"k": "step", "r": rank, "t": T0 + step if t is None else t, "step": step,
+            "dur": dur, "compute": compute, "comm": comm, "nbytes": nbytes, "samples": samples}
+
+
+def log_record(rank: int, step: int, **values) -> dict:
+    return {"k": "log", "r": rank, "t": T0 + step, "step": step, "values": values}
+
+
+def hb_record(rank: int, phase="idle", op="", seq=0, op_age=0.0, step=0) -> dict:
+    return {"k": "hb", "r": rank, "t": time.time(), "pid": 100 + rank, "host": "node1",
+            "phase": phase, "op": op, "seq": seq, "op_age": op_age, "rss": 300 << 20,
+            "dev_mem": 0, "step": step, "cell": 1}
+
+
+def filled_store(steps: int = 50, world_size: int = 2) -> MetricsStore:
+    """Rank 1 is a straggler: it computes twice as long, so rank 0 waits in comm."""
+    store = MetricsStore(world_size=world_size)
+    for step in range(steps):
+        for r in range(world_size):
+            slow = r == 1
+            store.add(step_record(r, step, dur=0.2 if slow else 0.19,
+                                  compute=0.16 if slow else 0.08, comm=0.02 if slow else 0.1))
+            store.add(log_record(r, step, loss=1.0 / (step + 1) + r * 0.01, acc=step / steps))
+    return store
+
+
+def _len(values) -> int:
+    return 0 if values is None else len(values)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# -- downsampling -------------------------------------------------------------------------
+def test_downsample_keeps_short_series_exact():
+    x, y = np.arange(100.0), np.random.default_rng(0).random(100)
+    dx, dy = downsample(x, y)
+    assert np.array_equal(dx, x) and np.array_equal(dy, y)
+
+
+@pytest.mark.parametrize("n", [MAX_POINTS + 1, 5_000, 20_001, 100_000])
+def test_downsample_bounds_points_and_keeps_newest_exact(n):
+    x = np.arange(n, dtype=float)
+    y = np.sin(x / 50.0)
+    dx, dy = downsample(x, y)
+    assert len(dx) == len(dy) <= MAX_POINTS
+    assert np.array_equal(dx[-EXACT_POINTS:], x[-EXACT_POINTS:])
+    assert np.array_equal(dy[-EXACT_POINTS:], y[-EXACT_POINTS:])
+    assert np.all(np.diff(dx) > 0)  # still a function of the step
+    assert dx[0] >= x[0] and dx[-1] == x[-1]
+
+
+def test_downsample_averages_buckets():
+    n = 10_000
+    x, y = np.arange(n, dtype=float), np.arange(n, dtype=float) * 2
+    dx, dy = downsample(x, y, max_points=1000, exact=100)
+    # a linear series stays on its line after bucket means
+    assert np.allclose(dy, 2 * dx)
+    assert dy.min() >= 0 and dy.max() == y[-1]
+
+
+def test_downsample_old_buckets_are_stable_as_points_arrive():
+    rng = np.random.default_rng(1)
+    y = rng.random(8_001)
+    x = np.arange(len(y), dtype=float)
+    a = downsample(x[:-1], y[:-1])
+    b = downsample(x, y)
+    full_buckets = len(a[0]) - EXACT_POINTS - 1  # all but the partial bucket
+    assert np.array_equal(a[1][:full_buckets], b[1][:full_buckets])
+
+
+def test_human_bytes():
+    assert [human_bytes(n) for n in (512, 4096, 1536, 1 << 20, 64 << 20, 3 << 30)] == [
+        "512", "4K", "1.5K", "1M", "64M", "3G"]
+    assert human_bytes(4096, "B") == "4KB"
+
+
+# -- dashboard ---------------------------------------------------------------------------
+def test_dashboard_figures_from_synthetic_store():
+    store = filled_store(steps=50)
+    dash = Dashboard(store, world_size=2)
+    assert dash.has_data()
+    assert dash.refresh()
+    fig = dash.figure
+    names = [t.name for t in fig.data]
+    assert names[:3] == ["rank 0", "rank 1", "total"]
+    assert {"compute", "comm", "other", "loss", "acc"} <= set(names)
+    by_name = {(t.name, t.xaxis): t for t in fig.data}
+    # throughput: samples/s per rank, total = sum over ranks
+    r0 = by_name[("rank 0", "x")]
+    assert len(r0.x) == 50 and r0.y[0] == pytest.approx(32 / 0.19)
+    total = by_name[("total", "x")]
+    assert total.y[0] == pytest.approx(32 / 0.19 + 32 / 0.2)
+    # step split: the straggler computes longer, the other rank waits in comm
+    compute, comm = by_name[("compute", "x2")], by_name[("comm", "x2")]
+    assert compute.y[1] > compute.y[0] and comm.y[0] > comm.y[1]
+    # loss is the mean over ranks at each step
+    loss = by_name[("loss", "x3")]
+    assert loss.y[0] == pytest.approx(1.0 + 0.005)
+    # bandwidth: nbytes / comm time, in GB/s
+    bw = [t for t in fig.data if t.xaxis == "x4"]
+    assert bw[0].y[0] == pytest.approx(4e6 / 0.1 / 1e9)
+    # the static figure shows the same data
+    static = dash.static_figure()
+    assert isinstance(static, go.Figure) and not isinstance(static, go.FigureWidget)
+    assert [_len(t.x) for t in static.data] == [_len(t.x) for t in fig.data]
+
+
+def test_dashboard_total_waits_for_all_ranks_and_since_hides_old_runs():
+    store = MetricsStore(world_size=2)
+    store.add(step_record(0, 0, t=T0 - 100))  # a previous run
+    for step in (1, 2):
+        store.add(step_record(0, step))
+    store.add(step_record(1, 1))
+    dash = Dashboard(store, world_size=2, since=T0)
+    dash.refresh()
+    total = dash.figure.data[2]
+    assert list(total.x) == [1.0]  # step 2: rank 1 has not reported yet
+    assert list(dash.figure.data[0].x) == [1.0, 2.0]
+
+
+def test_dashboard_has_data_only_for_step_or_log_records():
+    store = MetricsStore(world_size=2)
+    dash = Dashboard(store, world_size=2, since=T0)
+    store.add(hb_record(0))
+    store.add({"k": "span", "r": 0, "t": T0 + 1, "name": "allreduce", "cat": "comm",
+               "ts": T0, "dur": 0.1})
+    assert not dash.has_data()
+    store.add(log_record(1, 0, loss=2.0))
+    assert dash.has_data()
+
+
+def test_dashboard_refresh_is_throttled_and_skips_unchanged_store():
+    store = filled_store(steps=5)
+    dash = Dashboard(store, world_size=2)
+    clock = dash.clock = FakeClock()
+    assert dash.refresh() and dash.redraws == 1
+    assert not dash.refresh()  # nothing new
+    store.add(step_record(0, 5))
+    assert not dash.refresh()  # new, but too soon
+    clock.now += MIN_REDRAW_INTERVAL_S
+    assert dash.refresh() and dash.redraws == 2
+    clock.now += 10
+    assert not dash.refresh()  # old enough, but nothing new
+    assert dash.refresh(force=True) and dash.redraws == 3
+    # a flood of records between ticks costs one redraw per interval
+    for tick in range(40):  # 40 ticks of 0.1 s = 4 s
+        for step in range(100):
+            store.add(step_record(1, 1000 + tick * 100 + step))
+        dash.refresh()
+        clock.now += 0.1
+    assert dash.redraws - 3 <= 4 * 4 + 1
+
+
+def test_dashboard_bounds_points_per_trace():
+    store = MetricsStore(world_size=1, max_per_rank=30_000)
+    for step in range(10_000):
+        store.add(step_record(0, step))
+        store.add(log_record(0, step, loss=1.0))
+    dash = Dashboard(store, world_size=1)
+    dash.refresh()
+    assert max(len(t.x) for t in dash.figure.data) <= MAX_POINTS
+    assert dash.figure.data[0].x[-1] == 9_999
+
+
+def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
+    dash = Dashboard(filled_store(steps=10), world_size=2)
+    dash.refresh()
+    bundle = dash.mimebundle()
+    assert bundle[WIDGET_VIEW_MIME]["model_id"] == dash.figure.model_id
+    assert bundle[WIDGET_VIEW_MIME]["version_major"] == 2
+    assert "cdn.plot.ly" in bundle["text/html"] and "Plotly.newPlot" in bundle["text/html"]
+    assert bundle["text/plain"].startswith("mpilab dashboard: 2 ranks, step 9")
+    assert "loss" in bundle["text/plain"]
+    json.dumps(bundle)  # display(bundle, raw=True) sends it as JSON
+
+
+def test_dashboard_refresh_from_a_thread():
+    """--noblock cells refresh from the relay thread."""
+    import threading
+
+    store = filled_store(steps=5)
+    dash = Dashboard(store, world_size=2)
+    done = []
+    thread = threading.Thread(target=lambda: done.append(dash.refresh()))
+    thread.start()
+    thread.join()
+    assert done == [True] and len(dash.figure.data[0].x) == 5
+
+
+# -- status ------------------------------------------------------------------------------
+RANK_INFO = [{"rank": r, "host": "node1", "pid": 100 + r, "device": "cpu", "backend": "gloo"}
+             for r in range(3)]
+
+
+def test_status_text_and_table():
+    store = MetricsStore(world_size=3)
+    store.add(hb_record(0, phase="collective", op="allreduce", seq=7, op_age=0.25))
+    store.add(hb_record(1, phase="running", step=12))
+    text = status_text(RANK_INFO, store)
+    lines = text.splitlines()
+    assert lines[0].split()[:4] == ["rank", "host", "pid", "device"]
+    assert "in allreduce #7 for 0.2 s" in lines[1] or "in allreduce #7 for 0.3 s" in lines[1]
+    assert "300MB" in lines[1] and "cpu (gloo)" in lines[1]
+    assert "running (step 12)" in lines[2]
+    assert "no heartbeat" in lines[3] and "never" in lines[3]
+    table = StatusTable(RANK_INFO, store)
+    assert table.widget.value.count("<tr") == 4
+    assert "allreduce #7" in table.widget.value
+    bundle = table.mimebundle()
+    assert bundle[WIDGET_VIEW_MIME]["model_id"] == table.widget.model_id
+    assert bundle["text/plain"].splitlines()[0] == lines[0]
+
+
+def test_status_marks_silent_ranks_dead():
+    store = MetricsStore(world_size=3)
+    store.add(hb_record(0))
+    store.last_seen[0] -= 30  # as if the last heartbeat was 30 s ago
+    assert "dead? (silent 30 s)" in status_text(RANK_INFO, store).splitlines()[1]
+    table = StatusTable(RANK_INFO, store)
+    assert "dead?" in table.widget.value and "#fde0dc" in table.widget.value
+
+
+# -- bench -------------------------------------------------------------------------------
+def bench_rows() -> list[dict]:
+    rows = []
+    for backend, peak in (("mpi", 4.0), ("gloo", 1.5)):
+        for size in (4 << 10, 64 << 10, 1 << 20):
+            algbw = peak * size / (size + 65536)
+            rows.append({"op": "allreduce", "backend": backend, "size_bytes": size,
+                         "time_s": size / (algbw * 1e9), "algbw_GBps": algbw,
+                         "busbw_GBps": algbw * 2 * (2 - 1) / 2})
+    return rows
+
+
+def test_bench_figure():
+    fig = bench_figure(bench_rows(), memcpy_gbps=12.5)
+    lines = [t for t in fig.data if t.mode == "lines+markers"]
+    assert [t.name for t in lines] == ["mpi", "mpi", "gloo", "gloo"]
+    assert [t.showlegend for t in lines] == [True, False, True, False]
+    assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type == "log"
+    assert list(fig.layout.xaxis.ticktext) == ["4K", "64K", "1M"]
+    ceilings = [s for s in fig.layout.shapes if s.y0 == s.y1 == 12.5]
+    assert len(ceilings) == 2
+    assert "allreduce" in fig.layout.title.text
+    bundle = figure_bundle(fig)
+    assert set(bundle) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
+    json.dumps(bundle)
+    assert not [s for s in bench_figure(bench_rows()).layout.shapes]
+
+
+def test_bench_table():
+    lines = bench_table(bench_rows()).splitlines()
+    assert lines[0].split()[:3] == ["op", "backend", "size"]
+    assert [line.split()[1:3] for line in lines[1:]] == [
+        ["mpi", "4K"], ["mpi", "64K"], ["mpi", "1M"],
+        ["gloo", "4K"], ["gloo", "64K"], ["gloo", "1M"]]
+    assert len({len(line) for line in lines}) == 1  # aligned
+
+
+# -- in a real kernel ----------------------------------------------------------------------
+def test_figurewidget_updates_from_a_thread_reach_the_frontend():
+    """A --noblock cell's relay thread redraws while the kernel is idle: the comm
+    messages it sends from that thread must reach the frontend."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3", startup_timeout=60)
+    try:
+        code = textwrap.dedent("""
+            import threading, time
+            from mpilab.channel import MetricsStore
+            from mpilab.widgets import Dashboard
+            store = MetricsStore(world_size=1)
+            dash = Dashboard(store, world_size=1)
+            def feed():
+                time.sleep(0.5)  # the cell has finished: the kernel is idle
+                store.add({"k": "step", "r": 0, "t": time.time(), "step": 1, "dur": 0.1,
+                           "compute": 0.05, "comm": 0.05, "nbytes": 8, "samples": 4})
+                dash.refresh(force=True)
+            threading.Thread(target=feed).start()
+            print(dash.figure.model_id)
+        """)
+        kc.execute(code)
+        model_id, updates = None, []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not updates:
+            try:
+                msg = kc.get_iopub_msg(timeout=1)
+            except queue.Empty:
+                continue
+            content = msg["content"]
+            if msg["msg_type"] == "error":
+                pytest.fail("\n".join(content["traceback"]))
+            if msg["msg_type"] == "stream" and model_id is None:
+                model_id = content["text"].strip()
+            if (msg["msg_type"] == "comm_msg" and model_id
+                    and content["comm_id"] == model_id
+                    and "_py2js_update" in content["data"].get("state", {})
+                    and content["data"]["state"]["_py2js_update"]):
+                updates.append(content)
+        assert model_id and updates, "no widget update arrived from the thread"
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)

@@ -1,0 +1,72 @@
+"""Plot and table of a communication benchmark (`%mpilab bench`, `mpilab bench`).
+
+Rows come from the ranks' benchmark, one per (backend, message size), with the
+nccl-tests definitions: algbw = size / time, busbw = algbw × the op's bus factor
+(2(n−1)/n for allreduce). The node's memory-copy bandwidth is drawn as the ceiling
+that no intra-node backend can beat.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .plotting import human_bytes, rank_color
+
+MAX_TICKS = 10
+
+
+def _backends(rows: list[dict]) -> list[str]:
+    """Backends in the order they were measured."""
+    return list(dict.fromkeys(row["backend"] for row in rows))
+
+
+def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figure:
+    """algbw and busbw against message size (log x), one line per backend, memcpy as ceiling."""
+    ops = sorted({row["op"] for row in rows})
+    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
+                        subplot_titles=("algorithm bandwidth (algbw)", "bus bandwidth (busbw)"))
+    for i, backend in enumerate(_backends(rows)):
+        mine = sorted((row for row in rows if row["backend"] == backend),
+                      key=lambda row: row["size_bytes"])
+        sizes = [row["size_bytes"] for row in mine]
+        hover = [f"{human_bytes(row['size_bytes'], 'B')}: {row['time_s'] * 1e6:,.1f} µs"
+                 for row in mine]
+        for col, key in ((1, "algbw_GBps"), (2, "busbw_GBps")):
+            fig.add_trace(go.Scatter(
+                x=sizes, y=[row[key] for row in mine], name=backend, legendgroup=backend,
+                showlegend=col == 1, mode="lines+markers", line={"color": rank_color(i)},
+                text=hover, hovertemplate=f"{backend} %{{text}}<br>%{{y:.2f}} GB/s<extra></extra>",
+            ), row=1, col=col)
+    if memcpy_gbps:
+        for col in (1, 2):
+            fig.add_hline(y=memcpy_gbps, line_dash="dash", line_color="gray", row=1, col=col,
+                          annotation_text=f"memcpy {memcpy_gbps:.1f} GB/s",
+                          annotation_position="top left")
+    ticks = sorted({row["size_bytes"] for row in rows})
+    ticks = ticks[::max(1, -(-len(ticks) // MAX_TICKS))]
+    fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
+                     ticktext=[human_bytes(t) for t in ticks])
+    fig.update_yaxes(title_text="GB/s", rangemode="tozero", row=1, col=1)
+    fig.update_layout(title={"text": f"{', '.join(ops) or 'collective'} bandwidth", "x": 0.01},
+                      height=420, template="plotly_white",
+                      margin={"t": 70, "b": 50, "l": 60, "r": 20})
+    return fig
+
+
+def bench_table(rows: list[dict]) -> str:
+    """The measurements as an aligned text table, grouped by backend, sizes ascending."""
+    header = ("op", "backend", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)")
+    order = {b: i for i, b in enumerate(_backends(rows))}
+    body = [
+        (row["op"], row["backend"], human_bytes(row["size_bytes"]), f"{row['time_s'] * 1e6:,.1f}",
+         f"{row['algbw_GBps']:.3f}", f"{row['busbw_GBps']:.3f}")
+        for row in sorted(rows, key=lambda r: (order[r["backend"]], r["op"], r["size_bytes"]))
+    ]
+    widths = [max(len(cells[i]) for cells in [header, *body]) for i in range(len(header))]
+    left = 2  # text columns are left-aligned, numbers right-aligned
+    return "\n".join(
+        "  ".join(c.ljust(w) if i < left else c.rjust(w)
+                  for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        for cells in [header, *body]
+    )

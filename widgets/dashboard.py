@@ -1,0 +1,217 @@
+"""The live training dashboard: throughput, step-time split, loss and bandwidth.
+
+One plotly FigureWidget fed from the MetricsStore. The runner calls `refresh()` on
+every relay tick; the widget redraws at most 4 times a second and only when new
+records arrived, and each trace is downsampled so a long run stays cheap to draw.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from .plotting import WIDGET_VIEW_MIME, downsample, figure_html, rank_color
+
+MIN_REDRAW_INTERVAL_S = 0.25  # at most 4 redraws a second, whatever the record rate
+SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
+Series = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass
+class _Snapshot:
+    """What the figure shows, computed from the store in one pass."""
+
+    throughput: dict[int, Series] = field(default_factory=dict)
+    total: Series = (np.empty(0), np.empty(0))
+    split: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    bandwidth: dict[int, Series] = field(default_factory=dict)
+    scalars: dict[str, Series] = field(default_factory=dict)
+    last_step: int | None = None
+
+
+class Dashboard:
+    """Live plots of a training run, read from a MetricsStore.
+
+    `since` (epoch seconds) hides the records of earlier runs. Display it with
+    `display(dash.mimebundle(), raw=True)` or just `dash` in a cell.
+    """
+
+    clock: Callable[[], float] = staticmethod(time.monotonic)
+
+    def __init__(self, store, world_size: int, since: float = 0.0):
+        self.store = store
+        self.world_size = world_size
+        self.since = since
+        self.redraws = 0
+        self._drawn_version = -1
+        self._drawn_at = -float("inf")
+        self._lock = threading.Lock()
+        self._has_data = False
+        self._scalar_traces: dict[str, int] = {}
+        self.figure = go.FigureWidget(self._base_figure())
+
+    # -- what the runner calls ----------------------------------------------------------
+    def refresh(self, force: bool = False) -> bool:
+        """Redraw if there is something new and the last redraw is old enough.
+
+        Cheap when there is nothing to do (two comparisons), so it can be called on
+        every tick; safe to call from the relay thread of a --noblock cell.
+        """
+        version = self.store.version
+        now = self.clock()
+        if not force and (version == self._drawn_version
+                          or now - self._drawn_at < MIN_REDRAW_INTERVAL_S):
+            return False
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread is drawing this very moment
+        try:
+            self._drawn_version, self._drawn_at = version, now
+            self._apply(self.figure, self._snapshot(), self._scalar_traces)
+            self.redraws += 1
+        finally:
+            self._lock.release()
+        return True
+
+    def has_data(self) -> bool:
+        """True once the run has sent any step or log record (then the runner displays it)."""
+        if not self._has_data:
+            self._has_data = any(self.store.records(kind, since=self.since)
+                                 for kind in ("step", "log"))
+        return self._has_data
+
+    def static_figure(self) -> go.Figure:
+        """The same plots as a plain Figure, for frontends without widgets."""
+        return self._static(self._snapshot())
+
+    def mimebundle(self) -> dict:
+        """One bundle: the live widget for JupyterLab, a static plot and text for the rest.
+
+        nbconvert and nbclient have no widget frontend; they fall back to the HTML
+        (plotly.js from the CDN), so executed notebooks keep their plots.
+        """
+        snapshot = self._snapshot()
+        return {
+            WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
+                               "model_id": self.figure.model_id},
+            "text/html": figure_html(self._static(snapshot)),
+            "text/plain": self._summary(snapshot),
+        }
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
+        return self.mimebundle()
+
+    # -- building ---------------------------------------------------------------------------
+    def _base_figure(self) -> go.Figure:
+        fig = make_subplots(
+            rows=2, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08,
+            subplot_titles=("Throughput (samples/s)",
+                            f"Step time per rank (mean of last {SPLIT_WINDOW} steps)",
+                            "Loss and logged scalars", "Communication bandwidth (GB/s)"),
+        )
+        for r in range(self.world_size):
+            fig.add_trace(go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", mode="lines",
+                                     line={"color": rank_color(r)}), row=1, col=1)
+        fig.add_trace(go.Scatter(name="total", mode="lines",
+                                 line={"color": "black", "dash": "dot"}), row=1, col=1)
+        ranks = [f"rank {r}" for r in range(self.world_size)]
+        for part, color in (("compute", "#4c78a8"), ("comm", "#e45756"), ("other", "#bab0ac")):
+            fig.add_trace(go.Bar(name=part, x=ranks, y=[0] * self.world_size,
+                                 marker_color=color, hovertemplate="%{y:.4f} s"), row=1, col=2)
+        for r in range(self.world_size):
+            fig.add_trace(go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", showlegend=False,
+                                     mode="lines", line={"color": rank_color(r)}), row=2, col=2)
+        fig.update_layout(height=620, barmode="stack", margin={"t": 60, "b": 40, "l": 50, "r": 20},
+                          title={"text": f"mpilab training: {self.world_size} ranks", "x": 0.01},
+                          legend={"tracegroupgap": 4}, template="plotly_white")
+        fig.update_xaxes(title_text="step", row=1, col=1)
+        fig.update_xaxes(title_text="step", row=2, col=1)
+        fig.update_xaxes(title_text="step", row=2, col=2)
+        fig.update_yaxes(title_text="seconds", row=1, col=2)
+        return fig
+
+    def _static(self, snap: _Snapshot) -> go.Figure:
+        fig = self._base_figure()
+        self._apply(fig, snap, {})
+        return fig
+
+    def _apply(self, fig: go.Figure, snap: _Snapshot, scalar_traces: dict[str, int]) -> None:
+        """Put a snapshot's data into the figure's traces in one batched update."""
+        w = self.world_size
+        for name in snap.scalars:  # add_trace cannot be batched, and is rare
+            if name not in scalar_traces:
+                fig.add_trace(go.Scatter(name=name, mode="lines"), row=2, col=1)
+                scalar_traces[name] = len(fig.data) - 1
+        empty = (np.empty(0), np.empty(0))
+        with fig.batch_update():
+            for r in range(w):
+                fig.data[r].x, fig.data[r].y = downsample(*snap.throughput.get(r, empty))
+                fig.data[w + 4 + r].x, fig.data[w + 4 + r].y = downsample(
+                    *snap.bandwidth.get(r, empty))
+            fig.data[w].x, fig.data[w].y = downsample(*snap.total)
+            for part in range(3):
+                fig.data[w + 1 + part].y = [snap.split.get(r, (0.0, 0.0, 0.0))[part]
+                                            for r in range(w)]
+            for name, index in scalar_traces.items():
+                fig.data[index].x, fig.data[index].y = downsample(*snap.scalars.get(name, empty))
+
+    def _snapshot(self) -> _Snapshot:
+        snap = _Snapshot()
+        per_rank: dict[int, list[dict]] = defaultdict(list)
+        for rec in self.store.records("step", since=self.since):
+            per_rank[rec["r"]].append(rec)
+        by_step: dict[int, list[float]] = defaultdict(list)
+        for r, recs in per_rank.items():
+            steps = np.array([rec["step"] for rec in recs], dtype=float)
+            dur = np.array([rec["dur"] for rec in recs], dtype=float)
+            comm = np.array([rec["comm"] for rec in recs], dtype=float)
+            compute = np.array([rec["compute"] for rec in recs], dtype=float)
+            nbytes = np.array([rec["nbytes"] for rec in recs], dtype=float)
+            samples = np.array([rec["samples"] for rec in recs], dtype=float)
+            ok = dur > 0
+            snap.throughput[r] = (steps[ok], samples[ok] / dur[ok])
+            for step, rate in zip(*snap.throughput[r], strict=True):
+                by_step[int(step)].append(rate)
+            moving = (comm > 0) & (nbytes > 0)
+            snap.bandwidth[r] = (steps[moving], nbytes[moving] / comm[moving] / 1e9)
+            recent = slice(-SPLIT_WINDOW, None)
+            c, m = compute[recent].mean(), comm[recent].mean()
+            snap.split[r] = (c, m, max(dur[recent].mean() - c - m, 0.0))
+            snap.last_step = max(snap.last_step or 0, int(steps.max()))
+        # the total counts a step only once every training rank has reported it
+        reporting = len(per_rank)
+        total = sorted((s, sum(v)) for s, v in by_step.items() if len(v) == reporting)
+        if total:
+            snap.total = (np.array([s for s, _ in total], dtype=float),
+                          np.array([v for _, v in total]))
+        # logged scalars: the mean over the ranks that logged it at that step
+        sums: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+        for rec in self.store.records("log", since=self.since):
+            for name, value in rec["values"].items():
+                sums[name][rec["step"]].append(value)
+            snap.last_step = max(snap.last_step or 0, rec["step"])
+        for name, steps_values in sums.items():
+            steps = sorted(steps_values)
+            snap.scalars[name] = (np.array(steps, dtype=float),
+                                  np.array([_mean(steps_values[s]) for s in steps]))
+        return snap
+
+    def _summary(self, snap: _Snapshot) -> str:
+        """One line for terminals: where the run is and how fast it goes."""
+        parts = [f"mpilab dashboard: {self.world_size} ranks"]
+        if snap.last_step is not None:
+            parts.append(f"step {snap.last_step}")
+        if len(snap.total[1]):
+            parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
+        parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
+        return ", ".join(parts)
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)  # np.mean costs 5 µs a call; this is per step
