@@ -1,0 +1,234 @@
+"""Unit tests of the record channel's notebook end: validation, the store, the exporters,
+and the receiver's PULL socket under garbage."""
+
+from __future__ import annotations
+
+import csv
+import json
+import pickle
+import time
+
+import msgpack
+import pytest
+import zmq
+from mpilab.channel import MAX_RECORD_BYTES, MetricsStore, RecordReceiver, validate
+
+T0 = 1_700_000_000.0
+
+GOOD = {
+    "hb": {"k": "hb", "r": 0, "t": T0, "pid": 1, "host": "h", "phase": "idle", "op": "",
+           "seq": 0, "op_age": 0.0, "rss": 1 << 20, "step": 0, "dev_mem": 0, "cell": 0},
+    "step": {"k": "step", "r": 1, "t": T0, "step": 3, "dur": 0.1, "compute": 0.07,
+             "comm": 0.02, "nbytes": 4096, "samples": 32},
+    "log": {"k": "log", "r": 0, "t": T0, "step": 3, "values": {"loss": 0.5, "acc": 1}},
+    "span": {"k": "span", "r": 1, "t": T0, "name": "allreduce", "cat": "comm", "ts": T0 - 0.01,
+             "dur": 0.01, "nbytes": 4096, "seq": 9},
+    "event": {"k": "event", "r": 0, "t": T0, "what": "cell started"},
+}
+
+
+def with_(record: dict, **changes) -> dict:
+    out = {**record, **changes}
+    return {k: v for k, v in out.items() if v is not ...}
+
+
+# -- validate -------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", sorted(GOOD))
+def test_validate_accepts_good_records(kind):
+    assert validate(dict(GOOD[kind]), world_size=2)
+
+
+@pytest.mark.parametrize("record", [
+    None, [], "step", 42,
+    with_(GOOD["step"], k="exec"),  # unknown kind
+    with_(GOOD["step"], k=...),
+    with_(GOOD["step"], r=2),  # out of range for 2 ranks
+    with_(GOOD["step"], r=-1),
+    with_(GOOD["step"], r=True),  # a bool is not a rank
+    with_(GOOD["step"], r="0"),
+    with_(GOOD["step"], t="now"),
+    with_(GOOD["step"], t=...),
+    with_(GOOD["step"], dur=...),  # a missing field
+    with_(GOOD["step"], step="3"),
+    with_(GOOD["step"], step=3.5),
+    with_(GOOD["step"], nbytes=True),
+    with_(GOOD["hb"], host=None),
+    with_(GOOD["log"], values=[0.5]),
+    with_(GOOD["log"], values={"loss": "0.5"}),
+    with_(GOOD["log"], values={"loss": None}),
+    with_(GOOD["span"], ts=[1]),
+    with_(GOOD["event"], what=b"bytes"),
+])
+def test_validate_rejects_malformed_records(record):
+    assert not validate(record, world_size=2)
+
+
+# -- the store ------------------------------------------------------------------------------
+def test_store_files_records_by_kind_and_rank():
+    store = MetricsStore(world_size=2)
+    for kind in ("step", "log", "span", "event", "hb"):
+        assert store.add(dict(GOOD[kind]))
+    assert store.received == 5 and store.dropped == 0 and store.version == 5
+    assert store.records("step") == [store.records("step", rank=1)[0]]
+    assert store.records("step", rank=0) == []
+    assert store.records("hb") == []  # heartbeats keep only the latest
+    assert store.heartbeats[0]["pid"] == 1
+    assert set(store.heartbeat_ages()) == {0, 1}
+    assert all(age >= 0 for age in store.heartbeat_ages().values())
+    assert "recv" in store.records("log")[0]
+
+
+def test_store_records_are_time_ordered_and_filtered_by_since():
+    store = MetricsStore(world_size=2)
+    for i, r in enumerate([1, 0, 1, 0]):
+        store.add(with_(GOOD["step"], r=r, step=i, t=T0 + 10 - i))
+    assert [rec["t"] for rec in store.records("step")] == [T0 + 7, T0 + 8, T0 + 9, T0 + 10]
+    assert [rec["step"] for rec in store.records("step", since=T0 + 9)] == [1, 0]
+    assert [rec["step"] for rec in store.records("step", rank=0)] == [3, 1]
+
+
+def test_store_buffers_are_bounded_per_rank():
+    store = MetricsStore(world_size=2, max_per_rank=100)
+    for i in range(1000):
+        store.add(with_(GOOD["step"], r=0, step=i, t=T0 + i))
+    store.add(with_(GOOD["step"], r=1, step=0))
+    steps = [rec["step"] for rec in store.records("step", rank=0)]
+    assert steps == list(range(900, 1000))  # the newest are kept
+    assert len(store.records("step", rank=1)) == 1
+    assert store.received == 1001 and store.version == 1001
+
+
+def test_store_add_raw_drops_and_counts_garbage():
+    store = MetricsStore(world_size=2)
+    garbage = [
+        b"",
+        b"\xc1",  # never used in msgpack
+        b"not msgpack at all \xff\xfe",
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb({"k": "step"}),
+        msgpack.packb({1: 2}),  # non-string keys
+        msgpack.packb(msgpack.ExtType(42, b"code")),
+        msgpack.packb({**GOOD["step"], "dur": msgpack.ExtType(1, b"x")}),
+        pickle.dumps(GOOD["step"]),
+        msgpack.packb({**GOOD["step"], "pad": "x" * MAX_RECORD_BYTES}),
+    ]
+    for raw in garbage:
+        assert not store.add_raw(raw)
+    assert store.dropped == len(garbage) and store.received == 0 and store.version == 0
+    assert store.add_raw(msgpack.packb(GOOD["step"]))
+    assert store.received == 1
+
+
+def test_store_clear_forgets_metrics_but_keeps_heartbeats():
+    store = MetricsStore(world_size=2)
+    store.add(dict(GOOD["hb"]))
+    store.add(dict(GOOD["step"]))
+    version = store.version
+    store.clear()
+    assert store.records("step") == [] and 0 in store.heartbeats
+    assert store.version > version  # so widgets redraw
+
+
+# -- exporters ----------------------------------------------------------------------------
+def metrics_store() -> MetricsStore:
+    store = MetricsStore(world_size=2)
+    for step in range(3):
+        for r in range(2):
+            store.add(with_(GOOD["step"], r=r, step=step, t=T0 + step))
+            store.add(with_(GOOD["log"], r=r, step=step, t=T0 + step + 0.5,
+                            values={"loss": 1.0 / (step + 1)}))
+    store.add(dict(GOOD["span"]))
+    store.add(with_(GOOD["span"], r=0, name="forward", cat="compute", seq=...))
+    return store
+
+
+def test_save_json(tmp_path):
+    path = metrics_store().save(tmp_path / "run.json")
+    data = json.loads(path.read_text())
+    assert data["world_size"] == 2
+    kinds = [row["kind"] for row in data["records"]]
+    assert kinds.count("step") == 6 and kinds.count("log") == 6
+    log = next(row for row in data["records"] if row["kind"] == "log")
+    assert log["loss"] == 1.0 and "values" not in log and "recv" not in log
+    step = next(row for row in data["records"] if row["kind"] == "step")
+    assert {"rank", "time", "step", "dur", "compute", "comm", "nbytes", "samples"} <= set(step)
+
+
+def test_save_csv(tmp_path):
+    path = metrics_store().save(tmp_path / "run.csv")
+    with path.open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 12
+    assert list(rows[0])[:3] == ["kind", "rank", "time"]
+    assert {row["kind"] for row in rows} == {"step", "log"}
+    assert [row["loss"] for row in rows if row["kind"] == "log"][:2] == ["1.0", "1.0"]
+
+
+def test_save_refuses_other_formats(tmp_path):
+    with pytest.raises(ValueError, match=r"\.json or \.csv"):
+        metrics_store().save(tmp_path / "run.parquet")
+
+
+def test_chrome_trace(tmp_path):
+    store = metrics_store()
+    trace = json.loads(store.save_trace(tmp_path / "trace.json").read_text())
+    events = trace["traceEvents"]
+    names = [e for e in events if e["ph"] == "M"]
+    assert [e["args"]["name"] for e in names] == ["rank 0", "rank 1"]
+    spans = {e["name"]: e for e in events if e["ph"] == "X"}
+    comm = spans["allreduce"]
+    assert comm["pid"] == 1 and comm["tid"] == 1 and comm["cat"] == "comm"
+    assert comm["ts"] == pytest.approx((T0 - 0.01) * 1e6)
+    assert comm["dur"] == pytest.approx(0.01 * 1e6)
+    assert comm["args"] == {"nbytes": 4096, "seq": 9}
+    assert spans["forward"]["tid"] == 0 and spans["forward"]["args"] == {"nbytes": 4096}
+
+
+# -- the receiver ---------------------------------------------------------------------------
+def wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_receiver_drops_garbage_and_files_good_records():
+    store = MetricsStore(world_size=2)
+    receiver = RecordReceiver(store)
+    assert receiver.address.startswith("tcp://127.0.0.1:")
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 1000)
+    push.connect(receiver.address)
+    try:
+        garbage = [
+            b"\x00\x01garbage\xff",  # not msgpack
+            msgpack.packb(["step", 0, 1.0]),  # msgpack, wrong shape
+            msgpack.packb({**GOOD["step"], "dur": "slow"}),  # wrong field type
+            msgpack.packb({**GOOD["step"], "r": 7}),  # no such rank
+            msgpack.packb({**GOOD["step"], "k": "exec", "code": "import os"}),  # unknown kind
+            pickle.dumps(GOOD["step"]),  # the channel never unpickles
+        ]
+        good = [GOOD["step"], GOOD["log"], GOOD["hb"]]
+        for raw in garbage[:3]:
+            push.send(raw)
+        for record in good:
+            push.send(msgpack.packb(record))
+        for raw in garbage[3:]:
+            push.send(raw)
+        wait_for(lambda: store.received + store.dropped == len(garbage) + len(good))
+        assert store.dropped == len(garbage)
+        assert store.received == len(good)
+        assert [rec["step"] for rec in store.records("step")] == [3]
+        assert store.records("log")[0]["values"] == {"loss": 0.5, "acc": 1}
+        assert store.heartbeats[0]["host"] == "h"
+        # an oversized message is cut by the socket itself; the receiver keeps going
+        push.send(b"\x00" * (MAX_RECORD_BYTES + 1))
+        push.close()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(receiver.address)
+        push.send(msgpack.packb(GOOD["event"]))
+        wait_for(lambda: store.records("event"))
+    finally:
+        push.close(linger=0)
+        receiver.close()
