@@ -4,8 +4,10 @@ One function, so the fastest available implementation is used everywhere
 (mpilab.allreduce, DataParallel(backend="mpi"), the benchmarks). It picks, per
 communicator and message size:
 
-- ``mpi``: MPI's own Iallreduce, for tiny messages (its latency is lower than a Python
-  barrier's) and where no two ranks share a node or shared memory is unavailable;
+- ``mpi``: MPI's own Iallreduce, where no two ranks share a node or shared memory is
+  unavailable. Not for tiny messages on one node: MPI's blocking Allreduce takes ~5 µs
+  at 4 KiB there, but it cannot be interrupted, and the interruptible Iallreduce takes
+  ~55 µs (MPICH's schedule-based non-blocking path), against ~4 µs for the shm path;
 - ``shm``: every rank of the communicator is on one node: the shared-memory engine
   (`mpilab.rank.shm`) reduces in place at close to memory bandwidth;
 - ``hierarchical``: several nodes with several ranks each: reduce within each node
@@ -23,7 +25,7 @@ Rules for callers:
   uint16 view would be summed as integers, which is wrong).
 - Every rank gets bit-identical results (reductions use the same operand order on all
   ranks), so data-parallel replicas never drift apart.
-- ``MPILAB_ALLREDUCE=mpi|shm`` forces a path (for comparisons and debugging);
+- ``MPILAB_ALLREDUCE=mpi`` forces MPI's own path (for comparisons and debugging);
   ``MPILAB_EMULATE_NODE_SIZE=k`` splits each node into groups of k consecutive ranks, so
   the hierarchical path can be exercised on one machine.
 """
@@ -38,11 +40,6 @@ import numpy as np
 from .shm import ShmEngine
 from .waiting import wait_interruptibly
 
-# Below this MPI's own allreduce wins on one node (measured with
-# benchmarks/bench_allreduce.py: MPICH's shared-memory eager path takes ~5-7 µs at 4 KiB,
-# our Python barrier plus copies ~8 µs).
-MPI_BELOW_BYTES = 2048
-
 _KINDS = "fiu"
 
 
@@ -55,13 +52,11 @@ class Plan:
     node_comm: object
     leaders: object | None  # node leaders' communicator; None on non-leaders/single-node
     multi_node: bool
-    forced: str  # "", "mpi" or "shm"
 
-    def path(self, nbytes: int) -> str:
-        """The path a message of `nbytes` takes: mpi | shm | hierarchical."""
+    @property
+    def path(self) -> str:
+        """The path allreduce_inplace takes on this communicator: mpi | shm | hierarchical."""
         if not self.shm:
-            return "mpi"
-        if nbytes < MPI_BELOW_BYTES and self.forced != "shm":
             return "mpi"
         return "hierarchical" if self.multi_node else "shm"
 
@@ -74,29 +69,41 @@ class Plan:
 
 
 _keyval: int | None = None
+# The last (communicator object, plan): Get_attr costs ~3 µs, this check 0.05 µs.
+_last: tuple[object, Plan] | None = None
 
 
 def plan_for(comm) -> Plan:
     """The cached plan of `comm`; the first call is collective on `comm`."""
-    global _keyval
+    global _keyval, _last
     from mpi4py import MPI
 
+    if _last is not None and _last[0] is comm:
+        return _last[1]
     if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval(delete_fn=lambda _comm, _key, plan: plan.close())
+        _keyval = MPI.Comm.Create_keyval(delete_fn=_forget)
     plan = comm.Get_attr(_keyval)
     if plan is None:
         plan = _make_plan(comm)
         comm.Set_attr(_keyval, plan)
+    _last = (comm, plan)
     return plan
+
+
+def _forget(_comm, _keyval, plan: Plan) -> None:
+    """MPI deletes the attribute when the communicator is freed: free the plan too."""
+    global _last
+    if _last is not None and _last[1] is plan:
+        _last = None
+    plan.close()
 
 
 def _make_plan(comm) -> Plan:
     from mpi4py import MPI
 
-    forced = os.environ.get("MPILAB_ALLREDUCE", "auto").strip().lower()
-    if forced not in ("auto", "mpi", "shm"):
-        raise ValueError(f"MPILAB_ALLREDUCE={forced!r} is not auto, mpi or shm")
-    forced = "" if forced == "auto" else forced
+    choice = os.environ.get("MPILAB_ALLREDUCE", "auto").strip().lower()
+    if choice not in ("auto", "mpi"):
+        raise ValueError(f"MPILAB_ALLREDUCE={choice!r} is not auto or mpi")
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     emulate = int(os.environ.get("MPILAB_EMULATE_NODE_SIZE", "0") or 0)
     if emulate > 0:
@@ -106,7 +113,7 @@ def _make_plan(comm) -> Plan:
     node_rank = node_comm.Get_rank()
     nodes = comm.allreduce(1 if node_rank == 0 else 0)
     # Shared memory only helps where some node holds ≥ 2 ranks; all ranks must agree.
-    shared = comm.allreduce(node_comm.Get_size(), op=MPI.MAX) > 1 and forced != "mpi"
+    shared = comm.allreduce(node_comm.Get_size(), op=MPI.MAX) > 1 and choice != "mpi"
     node = None
     if shared:
         ok = 1
@@ -124,7 +131,7 @@ def _make_plan(comm) -> Plan:
         leaders = comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, comm.Get_rank())
         if leaders == MPI.COMM_NULL:
             leaders = None
-    return Plan(shared, node, node_comm, leaders, nodes > 1, forced)
+    return Plan(shared, node, node_comm, leaders, nodes > 1)
 
 
 def _mpi_allreduce(array: np.ndarray, op: str, comm) -> None:
@@ -152,7 +159,7 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
         return
     plan = plan_for(comm)
     flat = array.reshape(-1)
-    path = plan.path(flat.nbytes)
+    path = plan.path
     if path == "mpi":
         _mpi_allreduce(flat, op, comm)
     elif path == "shm":
