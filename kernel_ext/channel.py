@@ -1,0 +1,207 @@
+"""The notebook's end of the rank→notebook record channel, and the metrics store.
+
+Ranks PUSH msgpack records; one receiver thread here PULLs them, validates each
+(the channel carries data, never code: msgpack only, known kinds, typed fields) and
+files them into bounded per-rank buffers that the widgets, the watchdog and the
+exporters read.
+"""
+
+from __future__ import annotations
+
+import collections
+import csv
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import zmq
+
+# kind -> fields that must be present, with their types
+_NUM = (int, float)
+RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
+    "hb": {"pid": (int,), "host": (str,), "phase": (str,), "op": (str,), "seq": (int,),
+           "op_age": _NUM, "rss": (int,), "step": (int,)},
+    "step": {"step": (int,), "dur": _NUM, "compute": _NUM, "comm": _NUM,
+             "nbytes": (int,), "samples": (int,)},
+    "log": {"step": (int,), "values": (dict,)},
+    "span": {"name": (str,), "cat": (str,), "ts": _NUM, "dur": _NUM},
+    "event": {"what": (str,)},
+}
+MAX_RECORD_BYTES = 64 * 1024
+
+
+def validate(record, world_size: int) -> bool:
+    """True for a well-formed record from a rank of this cluster."""
+    if not isinstance(record, dict):
+        return False
+    schema = RECORD_SCHEMA.get(record.get("k"))
+    rank = record.get("r")
+    if schema is None or type(rank) is not int or not 0 <= rank < world_size:
+        return False
+    if not isinstance(record.get("t"), _NUM):
+        return False
+    for name, types in schema.items():
+        value = record.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            return False
+    if record["k"] == "log":
+        return all(isinstance(k, str) and isinstance(v, _NUM) for k, v in record["values"].items())
+    return True
+
+
+@dataclass
+class MetricsStore:
+    """Bounded per-rank buffers of what the ranks reported. Thread-safe."""
+
+    world_size: int
+    max_per_rank: int = 20_000
+    dropped: int = 0
+    received: int = 0
+    version: int = 0  # bumps on every accepted record; readers poll it cheaply
+    heartbeats: dict = field(default_factory=dict)
+    last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
+    _buffers: dict = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _buffer(self, kind: str, rank: int) -> collections.deque:
+        key = (kind, rank)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = collections.deque(maxlen=self.max_per_rank)
+        return buf
+
+    def add_raw(self, raw: bytes) -> bool:
+        """Decode and file one message; anything malformed is dropped and counted."""
+        try:
+            if len(raw) > MAX_RECORD_BYTES:
+                raise ValueError("oversized")
+            record = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                     ext_hook=_refuse_ext)
+        except Exception:  # noqa: BLE001 - any undecodable payload is dropped
+            record = None
+        return self.add(record)
+
+    def add(self, record) -> bool:
+        with self._lock:
+            if not validate(record, self.world_size):
+                self.dropped += 1
+                return False
+            record["recv"] = time.time()
+            rank = record["r"]
+            self.last_seen[rank] = time.monotonic()
+            if record["k"] == "hb":
+                self.heartbeats[rank] = record
+            else:
+                self._buffer(record["k"], rank).append(record)
+            self.received += 1
+            self.version += 1
+            return True
+
+    def records(self, kind: str, rank: int | None = None, since: float = 0.0) -> list[dict]:
+        """Records of one kind (all ranks unless `rank`), received after `since` (epoch s)."""
+        with self._lock:
+            ranks = range(self.world_size) if rank is None else [rank]
+            out = []
+            for r in ranks:
+                buf = self._buffers.get((kind, r))
+                if buf:
+                    out.extend(rec for rec in buf if rec["t"] >= since)
+        out.sort(key=lambda rec: rec["t"])
+        return out
+
+    def heartbeat_ages(self) -> dict[int, float]:
+        now = time.monotonic()
+        with self._lock:
+            return {r: now - t for r, t in self.last_seen.items()}
+
+    def clear(self) -> None:
+        """Forget the metrics of the previous run (heartbeats stay)."""
+        with self._lock:
+            self._buffers.clear()
+            self.version += 1
+
+    # -- exporters -------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write step and log records as JSON (everything) or CSV (one row a record)."""
+        path = Path(path)
+        rows = [
+            {"kind": rec["k"], "rank": rec["r"], "time": rec["t"],
+             **{k: v for k, v in rec.items() if k not in ("k", "r", "t", "values", "recv")},
+             **rec.get("values", {})}
+            for kind in ("step", "log")
+            for rec in self.records(kind)
+        ]
+        if path.suffix == ".json":
+            path.write_text(json.dumps({"world_size": self.world_size, "records": rows}, indent=1))
+        elif path.suffix == ".csv":
+            columns = sorted({key for row in rows for key in row},
+                             key=lambda c: (c not in ("kind", "rank", "time"), c))
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns)
+                writer.writeheader()
+                writer.writerows(rows)
+        else:
+            raise ValueError(f"{path.name}: metrics are saved as .json or .csv")
+        return path
+
+    def chrome_trace(self) -> dict:
+        """Spans as a Chrome trace (chrome://tracing, Perfetto): one process per rank."""
+        events = []
+        for rank in range(self.world_size):
+            events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
+                           "args": {"name": f"rank {rank}"}})
+            for span in self.records("span", rank):
+                events.append({
+                    "ph": "X", "name": span["name"], "cat": span["cat"], "pid": rank,
+                    "tid": 1 if span["cat"] == "comm" else 0,
+                    "ts": span["ts"] * 1e6, "dur": span["dur"] * 1e6,
+                    "args": {k: span[k] for k in ("nbytes", "seq") if k in span},
+                })
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.chrome_trace()))
+        return path
+
+
+def _refuse_ext(code, data):
+    raise ValueError("msgpack extension types are not accepted")
+
+
+class RecordReceiver:
+    """Binds the PULL socket and files every record into a MetricsStore."""
+
+    def __init__(self, store: MetricsStore, ip: str = "127.0.0.1"):
+        self.store = store
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECORD_BYTES)
+        port = self._sock.bind_to_random_port(f"tcp://{ip}")
+        self.address = f"tcp://{ip}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpilab-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            while True:
+                try:
+                    raw = self._sock.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.store.add_raw(raw)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()

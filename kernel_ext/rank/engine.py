@@ -1,0 +1,89 @@
+"""Engine-side glue for the notebook: bootstrap an ipyparallel engine as a rank.
+
+Runs inside each engine's IPython kernel: performs `mpilab.init()`, injects the
+rank's names into the user namespace, and installs the traceback filter that hides
+mpilab's and ipyparallel's frames from the user.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import threading
+import traceback
+
+_HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
+
+
+def preload() -> None:
+    """Import torch in the background while the engine registers (start-up overlap)."""
+    import importlib
+
+    threading.Thread(target=importlib.import_module, args=("torch.distributed",),
+                     daemon=True, name="mpilab-preload").start()
+
+
+def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float) -> dict:
+    """Make this engine a rank; returns the rank's summary for the notebook."""
+    import mpilab
+    from IPython import get_ipython
+
+    from . import agent as agent_mod
+    from .bootstrap import init
+
+    ctx = init(gpus=gpus, backend=backend, agent_address=agent_address, timeout=timeout)
+    import torch.distributed as dist
+
+    shell = get_ipython()
+    shell.user_ns.update(
+        rank=ctx.rank, world_size=ctx.world_size, local_rank=ctx.local_rank,
+        device=ctx.device, comm=ctx.comm, dist=dist, mpilab=mpilab,
+    )
+    shell.set_custom_exc((BaseException,), _clean_traceback)
+    state = agent_mod.current().state
+
+    def pre_run(info=None):
+        state.cell += 1
+        state.phase = "running"
+
+    def post_run(result=None):
+        state.phase = "idle"
+
+    for event, hook in (("pre_run_cell", pre_run), ("post_run_cell", post_run)):
+        shell.events.register(event, hook)
+    return ctx.summary()
+
+
+def _is_hidden(filename: str) -> bool:
+    parts = filename.replace("\\", "/").split("/")
+    return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
+
+
+def _frame_label(shell, filename: str) -> str:
+    count = getattr(shell.compile, "_filename_map", {}).get(filename)
+    if count is not None:
+        return f"Cell In[{count}]"
+    return f'File "{filename}"'
+
+
+def format_clean_traceback(shell, etype, value, tb) -> list[str]:
+    """The rank's own traceback: user frames (and library frames it called), no glue."""
+    frames = [f for f in traceback.extract_tb(tb) if not _is_hidden(f.filename)]
+    lines = ["Traceback (most recent call last):"] if frames else []
+    for f in frames:
+        lines.append(f"  {_frame_label(shell, f.filename)}, line {f.lineno}, in {f.name}")
+        source = (f.line or linecache.getline(f.filename, f.lineno)).strip()
+        if source:
+            lines.append(f"    {source}")
+    lines.extend(s.rstrip("\n") for s in traceback.format_exception_only(etype, value))
+    return ["\n".join(lines)]
+
+
+def _clean_traceback(shell, etype, value, tb, tb_offset=None):
+    stb = format_clean_traceback(shell, etype, value, tb)
+    shell._showtraceback(etype, value, stb)
+    return stb
+
+
+def rank_pid() -> int:
+    return os.getpid()

@@ -1,0 +1,372 @@
+"""Run a cell on the ranks: live output relay, results, errors, timeouts, interrupts.
+
+`CellRunner(cluster).run(code, RunOptions(...))` works from plain Python; the
+`%%ranks` magic only parses its arguments and calls it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import re
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .cluster import ClusterError, RankCluster
+
+TICK_S = 0.1  # relay cadence: output reaches the notebook within ~0.1 s
+HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
+INTERRUPT_GRACE_S = 3.0
+DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+class RanksError(Exception):
+    """A cell failed on the ranks. Rendered as the ranks' tracebacks, without our frames."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def _render_traceback_(self) -> list[str]:
+        return [self.text]
+
+
+def parse_ranks(spec: str | None, world_size: int) -> list[int]:
+    """`all`, `0`, `0,2`, `1-3` (and mixtures) → sorted ranks; one-line errors."""
+    spec = (spec or "all").strip()
+    if spec == "all":
+        return list(range(world_size))
+    ranks: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not m:
+            raise ValueError(f"rank selection {spec!r} is malformed: use all, 0, 0,2 or 1-3")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if hi < lo:
+            raise ValueError(f"rank range {part!r} is backwards: write {hi}-{lo}")
+        ranks.update(range(lo, hi + 1))
+    bad = sorted(r for r in ranks if r >= world_size)
+    if bad:
+        raise ValueError(
+            f"rank {bad[0]} does not exist: the cluster has ranks 0-{world_size - 1}"
+            if world_size > 1 else f"rank {bad[0]} does not exist: the cluster has rank 0 only"
+        )
+    return sorted(ranks)
+
+
+def format_ranks(ranks) -> str:
+    """[0,1,2,5] → '0-2,5'."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def rank_label(ranks) -> str:
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+@dataclass
+class _Pending:
+    text: str
+    arrived: float
+
+
+class OutputRelay:
+    """Turns per-rank output streams into prefixed lines, identical lines shown once.
+
+    A line waits up to HOLD_S for the same line from the other selected ranks, so a
+    loop that prints on every rank shows one line per step naming the ranks.
+    """
+
+    def __init__(self, ranks: list[int], write: Callable[[str, str], None],
+                 cap: int = DEFAULT_OUTPUT_CAP, hold: float = HOLD_S):
+        self.ranks = ranks
+        self.write = write  # write(stream_name, text)
+        self.cap = cap
+        self.hold = hold
+        self.emitted_chars = 0
+        self.dropped_chars = 0
+        self._partial: dict[tuple[int, str], str] = {}
+        self._queues: dict[tuple[int, str], list[_Pending]] = {}
+        self.last_lines: dict[int, list[str]] = {r: [] for r in ranks}
+
+    def feed(self, rank: int, stream: str, text: str, now: float) -> None:
+        if not text:
+            return
+        key = (rank, stream)
+        buf = self._partial.get(key, "") + text
+        *lines, rest = buf.split("\n")
+        self._partial[key] = rest
+        queue = self._queues.setdefault(key, [])
+        for line in lines:
+            queue.append(_Pending(line, now))
+            tail = self.last_lines[rank]
+            tail.append(line)
+            del tail[:-20]
+
+    def flush(self, now: float, final: bool = False) -> None:
+        if final:
+            for key, rest in self._partial.items():
+                if rest:
+                    self._queues.setdefault(key, []).append(_Pending(rest, now))
+                    self.last_lines[key[0]].append(rest)
+            self._partial.clear()
+        for stream in ("stdout", "stderr"):
+            self._flush_stream(stream, now, final)
+
+    def _flush_stream(self, stream: str, now: float, final: bool) -> None:
+        out: list[str] = []
+        while True:
+            heads: dict[str, list[int]] = {}
+            oldest: dict[str, float] = {}
+            for r in self.ranks:
+                q = self._queues.get((r, stream))
+                if q:
+                    heads.setdefault(q[0].text, []).append(r)
+                    oldest[q[0].text] = min(oldest.get(q[0].text, now), q[0].arrived)
+            ready = [
+                (text, ranks) for text, ranks in heads.items()
+                if final or len(ranks) == len(self.ranks) or now - oldest[text] >= self.hold
+            ]
+            if not ready:
+                break
+            for text, ranks in ready:
+                for r in ranks:
+                    self._queues[(r, stream)].pop(0)
+                prefix = "" if len(self.ranks) == 1 else f"[{rank_label(ranks)}] "
+                out.append(f"{prefix}{text}\n")
+        if out:
+            self._emit(stream, "".join(out))
+
+    def _emit(self, stream: str, text: str) -> None:
+        room = self.cap - self.emitted_chars
+        if room <= 0:
+            self.dropped_chars += len(text)
+            return
+        if len(text) > room:
+            self.dropped_chars += len(text) - room
+            text = text[:room]
+        self.emitted_chars += len(text)
+        self.write(stream, text)
+
+    def cap_note(self) -> str | None:
+        if not self.dropped_chars:
+            return None
+        return (f"mpilab: output cut at {self.cap:,} characters for this cell; "
+                f"{self.dropped_chars:,} more characters were dropped")
+
+
+@dataclass
+class RunOptions:
+    spec: str = "all"
+    timeout: float | None = None
+    block: bool = True
+    dashboard: bool = True
+    quiet: bool = False
+    output_cap: int = DEFAULT_OUTPUT_CAP
+
+
+@dataclass
+class CellOutcome:
+    """What a finished cell produced, per rank; plain data for callers and tests."""
+
+    ranks: list[int]
+    results: dict[int, dict] = field(default_factory=dict)  # rank -> mime bundle
+    errors: dict[int, str] = field(default_factory=dict)  # rank -> clean traceback
+    interrupted: bool = False
+    timed_out: bool = False
+
+
+def _default_write(stream: str, text: str) -> None:
+    target = sys.stderr if stream == "stderr" else sys.stdout
+    target.write(text)
+    target.flush()
+
+
+class CellRunner:
+    """Executes cells on a RankCluster and relays what the ranks produce."""
+
+    def __init__(self, cluster: RankCluster, write: Callable[[str, str], None] = _default_write,
+                 on_tick: Callable[[float, CellOutcome], None] | None = None):
+        self.cluster = cluster
+        self.write = write
+        self.on_tick = on_tick  # dashboard/watchdog hook, called every relay tick
+        self.background: list[threading.Thread] = []
+
+    def run(self, code: str, options: RunOptions | None = None) -> CellOutcome | None:
+        options = options or RunOptions()
+        if not self.cluster.running:
+            raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
+        ranks = parse_ranks(options.spec, self.cluster.world_size)
+        engines = [self.cluster.engine_of_rank[r] for r in ranks]
+        ar = self.cluster.client[engines].execute(code, silent=False, block=False)
+        outcome = CellOutcome(ranks=ranks)
+        if options.block:
+            self._relay(ar, ranks, options, outcome)
+            self._report(outcome, options)
+            return outcome
+        # --noblock: relay on a thread that carries this cell's context, so its output
+        # and displays land under this cell even while later cells run.
+        context = contextvars.copy_context()
+
+        def relay_in_background():
+            self._relay(ar, ranks, options, outcome)
+            try:
+                self._report(outcome, options)
+            except RanksError as e:
+                self.write("stderr", e.text + "\n")
+
+        thread = threading.Thread(target=context.run, args=(relay_in_background,),
+                                  name="mpilab-noblock", daemon=True)
+        thread.start()
+        self.background.append(thread)
+        return None
+
+    def _relay(self, ar, ranks: list[int], options: RunOptions, outcome: CellOutcome) -> None:
+        client = self.cluster.client
+        md_of_rank = {r: client.metadata[mid] for r, mid in zip(ranks, ar.msg_ids)}
+        offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
+        shown_outputs = {r: 0 for r in ranks}
+        relay = OutputRelay(ranks, self.write, cap=options.output_cap)
+        self.last_relay = relay
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+
+        def pump(final: bool = False) -> None:
+            now = time.monotonic()
+            for r, md in md_of_rank.items():
+                for stream in ("stdout", "stderr"):
+                    text = md[stream] or ""
+                    start = offsets[(r, stream)]
+                    if len(text) > start:
+                        offsets[(r, stream)] = len(text)
+                        if not options.quiet:
+                            relay.feed(r, stream, _ANSI.sub("", text[start:]), now)
+                outputs = md["outputs"]
+                while shown_outputs[r] < len(outputs):
+                    if not options.quiet:
+                        relay.flush(now, final=True)
+                        _publish(outputs[shown_outputs[r]], r, len(ranks) > 1)
+                    shown_outputs[r] += 1
+            relay.flush(now, final=final)
+            if self.on_tick is not None:
+                self.on_tick(now, outcome)
+
+        try:
+            while not ar.wait(TICK_S):
+                pump()
+                if deadline is not None and time.monotonic() > deadline:
+                    outcome.timed_out = True
+                    self._interrupt(ar, engines_of(self.cluster, ranks))
+                    break
+        except KeyboardInterrupt:
+            outcome.interrupted = True
+            self._interrupt(ar, engines_of(self.cluster, ranks))
+        pump(final=True)
+        note = relay.cap_note()
+        if note:
+            self.write("stderr", note + "\n")
+        self._collect(ar, ranks, outcome)
+
+    def _interrupt(self, ar, engines: list[int]) -> None:
+        """SIGINT every rank of the cell (through the engines' control channel)."""
+        try:
+            self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
+        except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported below
+            pass
+        ar.wait(INTERRUPT_GRACE_S)
+
+    def _collect(self, ar, ranks: list[int], outcome: CellOutcome) -> None:
+        for r, single in zip(ranks, ar.split()):
+            if not single.ready():
+                outcome.errors.setdefault(r, "still running")
+                continue
+            result = single.get(return_exceptions=True)
+            if isinstance(result, list):  # a one-engine view still answers with a list
+                result = result[0]
+            if isinstance(result, BaseException):
+                outcome.errors[r] = _error_text(result)
+            elif result.metadata.get("execute_result"):
+                outcome.results[r] = result.metadata["execute_result"].get("data", {})
+
+    def _report(self, outcome: CellOutcome, options: RunOptions) -> None:
+        multi = len(outcome.ranks) > 1
+        for bundle, ranks in _group(outcome.results).items():
+            data = dict(outcome.results[ranks[0]])
+            label = f"Out[{rank_label(ranks)}]: " if multi else ""
+            data["text/plain"] = label + data.get("text/plain", "")
+            _display_bundle(data)
+        if not outcome.errors:
+            return
+        lines = []
+        if outcome.timed_out:
+            lines.append(f"mpilab: the cell did not finish within {options.timeout:g} s; "
+                         "its ranks were interrupted")
+        for text, ranks in _group(outcome.errors).items():
+            if text == "still running":
+                lines.append(f"[{rank_label(ranks)}] still running after the interrupt: "
+                             "`%mpilab restart` brings back a clean cluster")
+            elif _is_interrupt(text):
+                lines.extend(f"[rank {r}] interrupted" for r in ranks)
+            else:
+                lines.append(f"[{rank_label(ranks)}] failed:" if multi else "")
+                lines.append(text)
+        raise RanksError("\n".join(line for line in lines if line))
+
+    def wait_background(self, timeout: float | None = None) -> None:
+        for thread in self.background:
+            thread.join(timeout)
+        self.background = [t for t in self.background if t.is_alive()]
+
+
+def engines_of(cluster: RankCluster, ranks: list[int]) -> list[int]:
+    return [cluster.engine_of_rank[r] for r in ranks]
+
+
+def _error_text(error) -> str:
+    """The clean traceback the rank produced (see mpilab.rank.engine)."""
+    if error is None:
+        return "failed"
+    tb = getattr(error, "traceback", None)
+    if tb:
+        return _ANSI.sub("", tb).rstrip()
+    return f"{getattr(error, 'ename', 'Error')}: {getattr(error, 'evalue', error)}"
+
+
+def _is_interrupt(text: str) -> bool:
+    return text.rstrip().splitlines()[-1].startswith("KeyboardInterrupt")
+
+
+def _group(per_rank: dict[int, object]) -> dict:
+    """Group ranks by identical value (mime bundles by their text)."""
+    groups: dict = {}
+    for r in sorted(per_rank):
+        value = per_rank[r]
+        key = value.get("text/plain", repr(value)) if isinstance(value, dict) else value
+        groups.setdefault(key, []).append(r)
+    return groups
+
+
+def _display_bundle(data: dict, metadata: dict | None = None) -> None:
+    from IPython.display import publish_display_data
+
+    publish_display_data(data, metadata=metadata or {})
+
+
+def _publish(output: dict, rank: int, label: bool) -> None:
+    """Re-display a rank's display_data (plots, tables) in the notebook."""
+    data = dict(output.get("data", {}))
+    if label and "text/plain" in data:
+        data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
+    _display_bundle(data, output.get("metadata"))

@@ -1,0 +1,120 @@
+"""The notebook kernel's mpilab state: one cluster, its runner, auto mode.
+
+The magics call this; plain Python can too (``Session.instance().start(ClusterConfig())``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
+from .runner import CellRunner, RunOptions, parse_ranks
+
+_PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
+
+
+class Session:
+    _instance: Session | None = None
+
+    def __init__(self):
+        self.cluster = RankCluster()
+        self.runner = CellRunner(self.cluster)
+        self._auto_transformer = None
+        self._started_once = False
+
+    @classmethod
+    def instance(cls) -> Session:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self, config: ClusterConfig) -> StartReport:
+        if self.cluster.running:
+            raise ClusterError("ranks are already running: `%mpilab stop` or `%mpilab restart` first")
+        self.cluster.config = config
+        report = self.cluster.start()
+        self._started_once = True
+        return report
+
+    def stop(self) -> str:
+        if not self.cluster.running:
+            return "mpilab: no ranks were running"
+        n = self.cluster.world_size
+        self.runner.wait_background(timeout=0)
+        self.cluster.stop()
+        return f"mpilab: stopped {n} ranks"
+
+    def restart(self) -> StartReport:
+        if not self._started_once:
+            raise ClusterError("nothing to restart: start ranks with `%mpilab start -n N`")
+        return self.cluster.restart()
+
+    def shutdown(self) -> None:
+        """Kernel exit or extension unload: never leave ranks behind."""
+        if self.cluster.running:
+            self.cluster.stop()
+
+    # -- cells and data ------------------------------------------------------------------
+    def run_cell(self, code: str, options: RunOptions):
+        return self.runner.run(code, options)
+
+    def push(self, values: dict) -> None:
+        self.cluster.client[list(self.cluster.engine_of_rank.values())].push(values, block=True)
+
+    def pull(self, name: str, rank: int | None = None):
+        """One rank's value (`--rank R`), else a list ordered by rank."""
+        client = self.cluster.client
+        ranks = list(range(self.cluster.world_size)) if rank is None else \
+            parse_ranks(str(rank), self.cluster.world_size)
+        engines = [self.cluster.engine_of_rank[r] for r in ranks]
+        try:
+            values = client[engines].pull(name, block=True)
+        except Exception:  # noqa: BLE001 - the ranks' NameError, as one line
+            raise ClusterError(
+                f"pull: {name!r} is not defined on {_ranks_word(ranks)}"
+            ) from None
+        return values[0] if rank is not None else values
+
+    def set_auto(self, shell, on: bool) -> None:
+        transformers = shell.input_transformers_cleanup
+        if self._auto_transformer in transformers:
+            transformers.remove(self._auto_transformer)
+        self._auto_transformer = None
+        if on:
+            self._auto_transformer = _run_on_ranks
+            transformers.append(_run_on_ranks)
+
+    # -- metrics -------------------------------------------------------------------------
+    def _store(self):
+        if self.cluster.store is None:
+            raise ClusterError("no metrics yet: start ranks with `%mpilab start -n N`")
+        return self.cluster.store
+
+    def save_metrics(self, path: str) -> Path:
+        return self._store().save(path)
+
+    def save_trace(self, path: str) -> Path:
+        if not path.endswith(".json"):
+            raise ClusterError(f"{path}: a trace is saved as .json (Chrome trace format)")
+        return self._store().save_trace(path)
+
+    def show_status(self):
+        from mpilab.widgets.status import status_text
+
+        rank_info = self.cluster.ranks
+        if not rank_info:
+            raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
+        print(status_text(rank_info, self.cluster.store))
+
+
+def _ranks_word(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "the ranks"
+
+
+def _run_on_ranks(lines: list[str]) -> list[str]:
+    """Auto mode: prefix every cell with %%ranks, except mpilab's own control lines."""
+    first = next((ln.strip() for ln in lines if ln.strip()), "")
+    if not first or first.startswith(_PASSTHROUGH):
+        return lines
+    return ["%%ranks\n", *lines]

@@ -1,0 +1,111 @@
+"""A real IPython kernel driven over the Jupyter protocol, for notebook-side tests.
+
+Each message is timestamped on arrival so tests can check that output streams live.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from jupyter_client.manager import start_new_kernel
+
+
+@dataclass
+class CellRun:
+    outputs: list[dict] = field(default_factory=list)  # iopub messages (type, content, t)
+    reply: dict = field(default_factory=dict)
+    started: float = 0.0
+    finished: float = 0.0
+
+    @property
+    def stdout(self) -> str:
+        return "".join(o["content"]["text"] for o in self.outputs
+                       if o["type"] == "stream" and o["content"]["name"] == "stdout")
+
+    @property
+    def stderr(self) -> str:
+        return "".join(o["content"]["text"] for o in self.outputs
+                       if o["type"] == "stream" and o["content"]["name"] == "stderr")
+
+    @property
+    def error(self) -> dict | None:
+        return next((o["content"] for o in self.outputs if o["type"] == "error"), None)
+
+    @property
+    def error_text(self) -> str:
+        err = self.error
+        return "\n".join(err["traceback"]) if err else ""
+
+    @property
+    def ok(self) -> bool:
+        return self.reply.get("status") == "ok"
+
+    def displays(self) -> list[dict]:
+        return [o["content"] for o in self.outputs
+                if o["type"] in ("display_data", "execute_result", "update_display_data")]
+
+    @property
+    def text(self) -> str:
+        """Everything a user reads: streams, plain-text displays, errors."""
+        parts = []
+        for o in self.outputs:
+            c = o["content"]
+            if o["type"] == "stream":
+                parts.append(c["text"])
+            elif o["type"] in ("display_data", "execute_result"):
+                parts.append(c["data"].get("text/plain", "") + "\n")
+            elif o["type"] == "error":
+                parts.append("\n".join(c["traceback"]) + "\n")
+        return "".join(parts)
+
+
+class Kernel:
+    def __init__(self, cwd: str | None = None):
+        kwargs = {"cwd": cwd} if cwd else {}
+        self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
+
+    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> CellRun:
+        run = CellRun(started=time.time())
+        msg_id = self.kc.execute(code)
+        deadline = time.monotonic() + timeout
+        interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
+        idle = False
+        while not idle:
+            if interrupt_at is not None and time.monotonic() >= interrupt_at:
+                self.km.interrupt_kernel()
+                interrupt_at = None
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}\n{run.text}")
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "status" and msg["content"]["execution_state"] == "idle":
+                idle = True
+            elif kind in ("stream", "display_data", "execute_result", "error",
+                          "update_display_data", "clear_output"):
+                run.outputs.append({"type": kind, "content": msg["content"], "t": time.time()})
+        run.reply = self.kc.get_shell_msg(timeout=30)["content"]
+        run.finished = time.time()
+        return run
+
+    def collect_iopub(self, seconds: float) -> list[dict]:
+        """Messages that arrive on iopub for any cell during the next `seconds`."""
+        out, end = [], time.monotonic() + seconds
+        while time.monotonic() < end:
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.1)
+            except queue.Empty:
+                continue
+            out.append({"type": msg["msg_type"], "content": msg["content"],
+                        "parent": msg["parent_header"].get("msg_id"), "t": time.time()})
+        return out
+
+    def shutdown(self) -> None:
+        self.kc.stop_channels()
+        self.km.shutdown_kernel(now=False)
