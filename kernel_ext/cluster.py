@@ -113,7 +113,9 @@ class RankCluster:
 
     def start(self) -> StartReport:
         if self.running:
-            raise ClusterError("ranks are already running: `%mpilab stop` or `%mpilab restart` first")
+            raise ClusterError(
+                "ranks are already running: `%mpilab stop` or `%mpilab restart` first"
+            )
         self.config.validate()
         mpiexec = find_mpiexec(self.config.mpiexec) if self.config.launcher == "mpi" else None
         started = time.perf_counter()
@@ -188,7 +190,9 @@ class RankCluster:
         ar = view.apply_async(bootstrap, cfg.gpus, cfg.backend, self._receiver.address,
                               cfg.timeout)
         if not ar.wait(cfg.timeout):
-            raise ClusterError(f"the ranks did not finish their bootstrap within {cfg.timeout:.0f} s")
+            raise ClusterError(
+                f"the ranks did not finish their bootstrap within {cfg.timeout:.0f} s"
+            )
         try:
             summaries = ar.get()
         except Exception as e:  # noqa: BLE001 - the ranks' own error, shortened

@@ -302,7 +302,7 @@ class CellRunner:
 
     def _report(self, outcome: CellOutcome, options: RunOptions) -> None:
         multi = len(outcome.ranks) > 1
-        for bundle, ranks in _group(outcome.results).items():
+        for ranks in _group(outcome.results).values():
             data = dict(outcome.results[ranks[0]])
             label = f"Out[{rank_label(ranks)}]: " if multi else ""
             data["text/plain"] = label + data.get("text/plain", "")

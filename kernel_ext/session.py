@@ -31,7 +31,9 @@ class Session:
     # -- lifecycle -----------------------------------------------------------------------
     def start(self, config: ClusterConfig) -> StartReport:
         if self.cluster.running:
-            raise ClusterError("ranks are already running: `%mpilab stop` or `%mpilab restart` first")
+            raise ClusterError(
+                "ranks are already running: `%mpilab stop` or `%mpilab restart` first"
+            )
         self.cluster.config = config
         report = self.cluster.start()
         self._started_once = True
