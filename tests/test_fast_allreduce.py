@@ -1,0 +1,156 @@
+"""allreduce_inplace on real MPI ranks: every path, dtype and op against a plain reduction.
+
+Each rank builds its data from a formula, so it can compute the expected result alone
+(no gather of 64 MiB). Values are small integers, exact in every dtype, so any summation
+order gives the same bits and the comparison is exact. Checks are batched into a few
+mpiexec runs because each start costs seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+from mpirun import run_ranks
+
+# Ranks report one after another: lines printed at the same moment by two ranks can
+# reach mpiexec's stdout interleaved.
+IN_TURN = """
+def report_in_turn(obj):
+    for q in range(ctx.world_size):
+        if q == ctx.rank:
+            report(obj)
+        ctx.comm.Barrier()
+"""
+
+CHECK_ALL = """
+import hashlib
+import numpy as np
+from mpilab.rank import fast_allreduce as fa
+
+comm, n, r = ctx.comm, ctx.world_size, ctx.rank
+
+def data(rank, count, dt):
+    i = np.arange(count, dtype=np.int64)
+    return ((i * 7 + rank * 13) % 17 - 8).astype(dt)
+
+def expected(count, dt, op):
+    parts = [data(q, count, np.int64) for q in range(n)]
+    red = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op].reduce(parts)
+    return red.astype(dt)
+
+failures = []
+def check(count, dt, op):
+    x = data(r, count, dt)
+    fa.allreduce_inplace(x, op, comm)
+    if not np.array_equal(x, expected(count, dt, op)):
+        failures.append(f"{np.dtype(dt).name} count={count} op={op}")
+
+MiB = 1 << 20
+for dt in (np.float32, np.float64, np.float16, np.int64):
+    item = np.dtype(dt).itemsize
+    # 1 element, tiny, odd, one-shot, one chunk, several chunks with a short last one
+    counts = [1, 2, 3, 5, 1000, 4099, 64 * 1024 // item + 1, 3 * MiB // item + 7]
+    for count in counts:
+        for op in ("sum", "max", "min"):
+            check(count, dt, op)
+# 64 MiB (+1 element, so not divisible by 2 or 3)
+check(16 * MiB + 1, np.float32, "sum")
+check(8 * MiB + 1, np.float64, "max")
+
+# Every rank holds identical bits even when summation order would matter.
+rng = np.random.default_rng(r)
+x = rng.standard_normal(300_001).astype(np.float32)
+fa.allreduce_inplace(x, "sum", comm)
+digests = comm.allgather(hashlib.sha1(x.tobytes()).hexdigest())
+
+errors = []
+for bad, exc in ((np.zeros((4, 4), np.float32)[:, 1], ValueError),
+                 (np.zeros(4, np.complex64), TypeError)):
+    try:
+        fa.allreduce_inplace(bad, "sum", comm)
+    except exc as e:
+        errors.append(str(e))
+try:
+    fa.allreduce_inplace(np.zeros(4), "prod", comm)
+except ValueError as e:
+    errors.append(str(e))
+empty = np.zeros(0, np.float32)
+fa.allreduce_inplace(empty, "sum", comm)
+
+report_in_turn({"failures": failures, "path": fa.plan_for(comm).path,
+        "identical": len(set(digests)) == 1, "errors": errors})
+"""
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_shared_memory_path_every_dtype_op_and_size(n):
+    results = run_ranks(IN_TURN + CHECK_ALL, n=n, timeout=240)
+    for res in results:
+        assert res["failures"] == []
+        assert res["path"] == "shm"  # one node: the shared-memory engine, not MPI
+        assert res["identical"]
+        assert len(res["errors"]) == 3
+
+
+SMALL = """
+import numpy as np
+from mpilab.rank import fast_allreduce as fa
+
+comm, n, r = ctx.comm, ctx.world_size, ctx.rank
+failures = []
+for dt in (np.float32, np.float64, np.float16, np.int64):
+    for count in (1, 7, 4099, 300_001):
+        for op in ("sum", "max", "min"):
+            i = np.arange(count)
+            x = ((i * 5 + r * 3) % 11 - 5).astype(dt)
+            want = {"sum": lambda: sum((i * 5 + q * 3) % 11 - 5 for q in range(n)),
+                    "max": lambda: np.max([(i * 5 + q * 3) % 11 - 5 for q in range(n)], 0),
+                    "min": lambda: np.min([(i * 5 + q * 3) % 11 - 5 for q in range(n)], 0),
+                    }[op]().astype(dt)
+            fa.allreduce_inplace(x, op, comm)
+            if not np.array_equal(x, want):
+                failures.append(f"{np.dtype(dt).name} count={count} op={op}")
+report_in_turn({"failures": failures, "path": fa.plan_for(comm).path})
+"""
+
+
+def test_forced_mpi_path():
+    results = run_ranks(IN_TURN + SMALL, n=2, env={"MPILAB_ALLREDUCE": "mpi"})
+    assert all(res == {"failures": [], "path": "mpi"} for res in results)
+
+
+def test_hierarchical_path_with_emulated_nodes():
+    # 3 ranks as nodes {0, 1} and {2}: a shared-memory node and a lone rank, two leaders.
+    results = run_ranks(IN_TURN + SMALL, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    assert all(res == {"failures": [], "path": "hierarchical"} for res in results)
+
+
+INTERRUPT = """
+import os, signal, threading, time
+import numpy as np
+from mpilab.rank import fast_allreduce as fa
+from mpilab.rank.shm import ShmBroken
+
+comm = ctx.comm
+x = np.ones(1000, np.float32)
+fa.allreduce_inplace(x, "sum", comm)  # the plan exists on both ranks
+outcome = []
+if ctx.rank == 0:
+    # rank 1 never joins: the wait must still give way to Ctrl-C
+    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        fa.allreduce_inplace(x, "sum", comm)
+    except KeyboardInterrupt:
+        outcome.append("interrupted")
+    try:
+        fa.allreduce_inplace(x, "sum", comm)
+    except ShmBroken as e:
+        outcome.append(str(e))
+report_in_turn(outcome)
+"""
+
+
+def test_interrupt_lands_and_later_calls_say_why():
+    results = run_ranks(IN_TURN + INTERRUPT, n=2)
+    assert results[0][0] == "interrupted"
+    assert "restart" in results[0][1]
+    assert results[1] == []
