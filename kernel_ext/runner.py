@@ -19,6 +19,7 @@ from .cluster import ClusterError, RankCluster
 TICK_S = 0.1  # relay cadence: output reaches the notebook within ~0.1 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
 INTERRUPT_GRACE_S = 3.0
+OUTPUT_TRAIL_S = 5.0
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -273,6 +274,9 @@ class CellRunner:
         except KeyboardInterrupt:
             outcome.interrupted = True
             self._interrupt(ar, engines_of(self.cluster, ranks))
+        if ar.ready():
+            # output travels on iopub and can trail the execute reply
+            ar.wait_for_output(OUTPUT_TRAIL_S)
         pump(final=True)
         note = relay.cap_note()
         if note:
@@ -302,7 +306,7 @@ class CellRunner:
 
     def _report(self, outcome: CellOutcome, options: RunOptions) -> None:
         multi = len(outcome.ranks) > 1
-        for ranks in _group(outcome.results).values():
+        for ranks in _group(outcome.results):
             data = dict(outcome.results[ranks[0]])
             label = f"Out[{rank_label(ranks)}]: " if multi else ""
             data["text/plain"] = label + data.get("text/plain", "")
@@ -313,7 +317,8 @@ class CellRunner:
         if outcome.timed_out:
             lines.append(f"mpilab: the cell did not finish within {options.timeout:g} s; "
                          "its ranks were interrupted")
-        for text, ranks in _group(outcome.errors).items():
+        for ranks in _group(outcome.errors):
+            text = outcome.errors[ranks[0]]
             if text == "still running":
                 lines.append(f"[{rank_label(ranks)}] still running after the interrupt: "
                              "`%mpilab restart` brings back a clean cluster")
@@ -348,14 +353,18 @@ def _is_interrupt(text: str) -> bool:
     return text.rstrip().splitlines()[-1].startswith("KeyboardInterrupt")
 
 
-def _group(per_rank: dict[int, object]) -> dict:
-    """Group ranks by identical value (mime bundles by their text)."""
+_CELL_COUNT = re.compile(r"Cell In\[\d+\]")
+
+
+def _group(per_rank: dict[int, object]) -> list[list[int]]:
+    """Ranks with identical values: bundles by their text, tracebacks regardless of the
+    execution counts (they differ once cells have run on some ranks only)."""
     groups: dict = {}
     for r in sorted(per_rank):
         value = per_rank[r]
         key = value.get("text/plain", repr(value)) if isinstance(value, dict) else value
-        groups.setdefault(key, []).append(r)
-    return groups
+        groups.setdefault(_CELL_COUNT.sub("Cell", key), []).append(r)
+    return list(groups.values())
 
 
 def _display_bundle(data: dict, metadata: dict | None = None) -> None:

@@ -18,6 +18,7 @@ class CellRun:
     reply: dict = field(default_factory=dict)
     started: float = 0.0
     finished: float = 0.0
+    msg_id: str = ""
 
     @property
     def stdout(self) -> str:
@@ -69,6 +70,7 @@ class Kernel:
     def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> CellRun:
         run = CellRun(started=time.time())
         msg_id = self.kc.execute(code)
+        run.msg_id = msg_id
         deadline = time.monotonic() + timeout
         interrupt_at = None if interrupt_after is None else time.monotonic() + interrupt_after
         idle = False
