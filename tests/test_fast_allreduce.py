@@ -154,3 +154,43 @@ def test_interrupt_lands_and_later_calls_say_why():
     assert results[0][0] == "interrupted"
     assert "restart" in results[0][1]
     assert results[1] == []
+
+
+def test_parse_sizes():
+    from mpilab.rank.bench import parse_sizes
+
+    assert parse_sizes("4K:64M") == [4096 << k for k in range(15)]
+    assert parse_sizes("1M") == [1 << 20]
+    assert parse_sizes("3:16") == [3, 6, 12]
+    for bad, why in (("4K:1K", "larger than the end"), ("4Q:1M", "'4Q' is not a size"),
+                     ("1K:2K:4K", "START:END"), ("0:4K", "'0' is not a size")):
+        with pytest.raises(ValueError, match=why) as info:
+            parse_sizes(bad)
+        assert "\n" not in str(info.value)
+
+
+BENCH = """
+from mpilab.rank import bench
+
+rows = {op: bench.run_bench(op, [4096, 65536], ["mpilab", "mpi", "gloo", "nccl"], repeats=2)
+        for op in ("allreduce", "broadcast", "allgather")}
+report_in_turn({"rows": rows, "memcpy": bench.memcpy_bandwidth(1 << 20, repeats=2)})
+"""
+
+
+def test_run_bench_rows_follow_nccl_tests():
+    results = run_ranks(IN_TURN + BENCH, n=2)
+    assert all(res["rows"] == {"allreduce": [], "broadcast": [], "allgather": []}
+               for res in results[1:])  # rows come back on rank 0 only
+    assert results[0]["memcpy"] > 0
+    factor = {"allreduce": 1.0, "broadcast": 1.0, "allgather": 0.5}  # 2(n-1)/n, 1, (n-1)/n
+    for op, rows in results[0]["rows"].items():
+        measured = [r for r in rows if r["backend"] != "nccl"]
+        assert [(r["backend"], r["size_bytes"]) for r in measured] == [
+            (b, s) for b in ("mpilab", "mpi", "gloo") for s in (4096, 65536)]
+        for r in measured:
+            assert r["op"] == op and r["time_s"] > 0
+            assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
+            assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[op])
+        (nccl,) = [r for r in rows if r["backend"] == "nccl"]
+        assert nccl["note"].startswith("skipped") and nccl["time_s"] is None

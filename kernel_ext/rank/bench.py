@@ -1,0 +1,199 @@
+"""On-rank communication benchmark: `%mpilab bench …` in the notebook, `mpilab bench`.
+
+Why here: the figures must come from the ranks themselves, with every backend measured
+in the same run on the same buffers, so that mpilab is compared with its peers (MPI,
+gloo, NCCL) and with the node's memory-copy ceiling under identical conditions.
+
+Bandwidths follow nccl-tests (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
+algbw = size / time; busbw = algbw × 2(n-1)/n for allreduce, × (n-1)/n for allgather
+(size = the gathered output), × 1 for broadcast. GB/s are 1e9 bytes per second.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from . import bootstrap
+from .fast_allreduce import allreduce_inplace
+from .waiting import wait_interruptibly
+
+OPS = ("allreduce", "broadcast", "allgather")
+BACKENDS = ("mpilab", "mpi", "gloo", "nccl")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_WARMUP = 2
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]. K/M/G are binary."""
+
+    def one(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+        if not m or int(m.group(1)) == 0:
+            raise ValueError(f"--sizes {spec!r}: {text.strip()!r} is not a size like 4K, 16M, 1G")
+        return int(m.group(1)) * _UNITS[m.group(2)]
+
+    parts = spec.split(":")
+    if len(parts) > 2:
+        raise ValueError(f"--sizes {spec!r}: use START:END like 4K:64M, or one size")
+    start, end = one(parts[0]), one(parts[-1])
+    if start > end:
+        raise ValueError(f"--sizes {spec!r}: the start is larger than the end")
+    sizes = [start]
+    while sizes[-1] * 2 <= end:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def bus_factor(op: str, n: int) -> float:
+    """busbw / algbw for `op` on n ranks (nccl-tests)."""
+    return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]
+
+
+def memcpy_bandwidth(size: int, repeats: int = 10) -> float:
+    """This core's memory-copy bandwidth in GB/s for `size`-byte buffers (the ceiling line).
+
+    Above the last-level cache size it is the node's single-core DRAM copy rate; below,
+    the copy runs from cache and is faster.
+    """
+    src = np.ones(max(1, size // 8), np.float64)
+    dst = np.zeros_like(src)  # written below, so its pages are faulted in beforehand
+    times = []
+    for i in range(_WARMUP + repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        if i >= _WARMUP:
+            times.append(time.perf_counter() - t0)
+    return src.nbytes / statistics.median(times) / 1e9
+
+
+def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20) -> list[dict]:
+    """Measure `op` at every size with every backend; collective on all ranks.
+
+    Returns plain rows on rank 0 (an empty list elsewhere):
+    {op, backend, size_bytes, time_s (median over repeats of the slowest rank), algbw_GBps,
+    busbw_GBps}; a backend that cannot run here gives one row with a `note` and None figures.
+    """
+    from mpi4py import MPI
+
+    if op not in OPS:
+        raise ValueError(f"bench op {op!r} is not one of {', '.join(OPS)}")
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown:
+        raise ValueError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")
+    ctx = bootstrap.context()
+    comm, n = ctx.comm, ctx.world_size
+    rows: list[dict] = []
+    for backend in backends:
+        note = _unavailable(backend)
+        if note:
+            rows.append({"op": op, "backend": backend, "size_bytes": None, "time_s": None,
+                         "algbw_GBps": None, "busbw_GBps": None, "note": note})
+            continue
+        for size in sizes:
+            step = _step(op, backend, size, ctx)
+            times = []
+            for i in range(_WARMUP + repeats):
+                wait_interruptibly(comm.Ibarrier())
+                t0 = time.perf_counter()
+                step()
+                if i >= _WARMUP:
+                    times.append(time.perf_counter() - t0)
+            slowest = np.array(times)
+            comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
+            t = float(np.median(slowest))
+            nbytes = _effective_size(op, size, n)
+            algbw = nbytes / t / 1e9
+            rows.append({"op": op, "backend": backend, "size_bytes": nbytes, "time_s": t,
+                         "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)})
+    return rows if ctx.rank == 0 else []
+
+
+def _effective_size(op: str, size: int, n: int) -> int:
+    """Allgather's size is the gathered output: each rank sends size // n bytes."""
+    if op == "allgather":
+        return max(4, size // n // 4 * 4) * n
+    return max(4, size // 4 * 4)
+
+
+def _unavailable(backend: str) -> str | None:
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return "skipped: no CUDA device on this rank"
+        if not dist.is_initialized() or dist.get_backend() != "nccl":
+            return "skipped: the process group is not NCCL"
+    if backend == "gloo" and not dist.is_initialized():
+        return "skipped: torch.distributed is not initialised"
+    return None
+
+
+_gloo_group = None
+
+
+def _gloo():
+    """The default group on CPU ranks; on GPU ranks (NCCL default) a gloo group, made once."""
+    global _gloo_group
+    import torch.distributed as dist
+
+    if dist.get_backend() == "gloo":
+        return None
+    if _gloo_group is None:
+        _gloo_group = dist.new_group(backend="gloo")
+    return _gloo_group
+
+
+def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
+    """One collective of `op` on fresh, page-faulted float32 buffers."""
+    import torch
+
+    n, comm = ctx.world_size, ctx.comm
+    count = _effective_size(op, size, n) // 4
+    part = count // n if op == "allgather" else count
+    send = np.full(part, float(ctx.rank), np.float32)
+    recv = np.zeros(count, np.float32) if op == "allgather" else send
+
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        return {
+            "allreduce": lambda: comm.Allreduce(MPI.IN_PLACE, send, MPI.SUM),
+            "broadcast": lambda: comm.Bcast(send, root=0),
+            "allgather": lambda: comm.Allgather(send, recv),
+        }[op]
+    if backend == "mpilab":
+        if op == "allreduce":
+            return lambda: allreduce_inplace(send, "sum", comm)
+        from . import collectives  # mpilab's own path for the other collectives
+
+        t_send = torch.from_numpy(send)
+        return {
+            "broadcast": lambda: collectives.broadcast(t_send, root=0),
+            "allgather": lambda: collectives.allgather(t_send),
+        }[op]
+
+    import torch.distributed as dist
+
+    device = "cuda" if backend == "nccl" else "cpu"
+    group = _gloo() if backend == "gloo" else None
+    t_send = torch.from_numpy(send).to(device)
+    t_recv = torch.from_numpy(recv).to(device)
+
+    def sync() -> None:
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    def run(fn) -> Callable[[], None]:
+        return lambda: (fn(), sync())
+
+    return {
+        "allreduce": run(lambda: dist.all_reduce(t_send, group=group)),
+        "broadcast": run(lambda: dist.broadcast(t_send, src=0, group=group)),
+        "allgather": run(lambda: dist.all_gather_single(t_recv, t_send, group=group)),
+    }[op]
