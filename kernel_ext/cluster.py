@@ -140,7 +140,7 @@ class RankCluster:
             delay=0,  # engines wait for the controller's connection info anyway
             engine_timeout=int(cfg.timeout),
             log=_quiet_log(),
-            shutdown_atexit=True,
+            shutdown_atexit=False,  # our Session.shutdown ends everything, by pid, fast
         )
         preload = ("--IPEngine.startup_command="
                    "import mpilab.rank.engine as _mpilab_engine; _mpilab_engine.preload()")
@@ -200,13 +200,19 @@ class RankCluster:
         self.ranks = sorted(summaries, key=lambda s: s["rank"])
         self.engine_of_rank = {s["rank"]: eid for s, eid in zip(summaries, ar.engine_id)}
 
-    def stop(self) -> None:
-        """Stop engines, controller and receiver; leaves no process behind."""
+    def stop(self, fast: bool = False) -> None:
+        """Stop engines, controller and receiver; leaves no process behind.
+
+        fast: the kernel is exiting and may be killed in seconds, so skip the polite
+        shutdown and end what was launched, by pid, at once.
+        """
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
         self._client = self._ipp_cluster = self._receiver = None
         self.ranks, self.engine_of_rank = [], {}
         launched = _launched_processes(cluster) if cluster is not None else []
-        if client is not None:
+        if fast:
+            _kill_survivors(launched, grace=0.5)
+        if client is not None and not fast:
             try:
                 # engines that exit on their own let mpiexec end cleanly and at once
                 client.shutdown(targets="all", block=True)
@@ -278,13 +284,13 @@ def _cmdline(proc) -> list[str]:
         return []
 
 
-def _kill_survivors(procs: list) -> None:
-    """Kill, by pid, what ipyparallel's stop left running."""
+def _kill_survivors(procs: list, grace: float = 3.0) -> None:
+    """Kill, by pid, what ipyparallel's stop left running (after `grace` seconds)."""
     import psutil
 
     alive = [p for p in procs if p.is_running()]
     if alive:
-        _, alive = psutil.wait_procs(alive, timeout=3)
+        _, alive = psutil.wait_procs(alive, timeout=grace)
     for p in alive:
         try:
             p.kill()

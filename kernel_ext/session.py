@@ -55,7 +55,7 @@ class Session:
     def shutdown(self) -> None:
         """Kernel exit or extension unload: never leave ranks behind."""
         if self.cluster.running:
-            self.cluster.stop()
+            self.cluster.stop(fast=True)
 
     # -- cells and data ------------------------------------------------------------------
     def run_cell(self, code: str, options: RunOptions):

@@ -1,0 +1,77 @@
+"""Clusters beyond the shared one: hostfile, unload, kernel shutdown, batch jobs, CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from conftest import cluster_pids
+from kernel import Kernel
+from mpirun import MPIEXEC, run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+MPILAB = str(Path(sys.executable).parent / "mpilab")
+
+
+def _assert_gone(pids: dict) -> None:
+    for pid in pids["engines"] + pids["launchers"]:
+        if psutil.pid_exists(pid):
+            proc = psutil.Process(pid)
+            assert proc.status() == "zombie", f"process {pid} survived: {proc.cmdline()}"
+
+
+def test_hostfile_ranks_then_unload_and_kernel_shutdown_leave_nothing(tmp_path):
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost:2\n")
+    kernel = Kernel()
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        run = kernel.run(f"%mpilab start -n 2 --hostfile {hostfile}", timeout=180)
+        assert run.ok, run.text
+        run = kernel.run("%%ranks\nprint(comm.allreduce(rank + 1))")
+        assert "[ranks 0-1] 3" in run.stdout
+        pids = cluster_pids(kernel)
+        assert kernel.run("%unload_ext mpilab", timeout=60).ok
+        _assert_gone(pids)
+        # loaded again, started again, then the kernel itself goes away
+        assert kernel.run("%load_ext mpilab").ok
+        assert kernel.run("%mpilab start -n 2", timeout=180).ok
+        pids = cluster_pids(kernel)
+    finally:
+        kernel.shutdown()
+    psutil.wait_procs([psutil.Process(p) for p in pids["engines"] if psutil.pid_exists(p)],
+                      timeout=20)
+    _assert_gone(pids)
+
+
+def test_batch_job_runs_notebook_cell_code_unchanged():
+    cell = (
+        "import torch\n"
+        "t = torch.ones(3) * (ctx.rank + 1)\n"
+        "import torch.distributed as dist\n"
+        "dist.all_reduce(t)\n"
+        "report({'sum': t.tolist(), 'mpi': ctx.comm.allreduce(1), 'device': str(ctx.device),"
+        " 'world': ctx.world_size, 'local': ctx.local_rank,"
+        " 'same': mpilab.init() is ctx, 'threads': torch.get_num_threads()})\n"
+    )
+    results = run_ranks(cell, n=2)
+    for rank, res in enumerate(results):
+        assert res["sum"] == [3.0, 3.0, 3.0]
+        assert res["mpi"] == 2 and res["world"] == 2 and res["local"] == rank
+        assert res["device"] == "cpu" and res["same"]
+        assert res["threads"] >= 1
+
+
+def test_doctor_reports_what_it_found():
+    proc = subprocess.run([MPILAB, "doctor"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpiexec" in proc.stdout and "MPICH" in proc.stdout and "torch" in proc.stdout
+
+
+def test_run_missing_notebook_is_one_line():
+    proc = subprocess.run([MPILAB, "run", "nope.ipynb"], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "mpilab: nope.ipynb: no such notebook"

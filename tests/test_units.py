@@ -1,0 +1,129 @@
+"""Pure logic: rank selection, output relay, configs, device choice, auto mode, tracebacks."""
+
+from __future__ import annotations
+
+import pytest
+
+from mpilab.cluster import ClusterConfig, ClusterError, find_mpiexec
+from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
+from mpilab.runner import OutputRelay, format_ranks, parse_ranks
+from mpilab.session import _run_on_ranks
+
+
+@pytest.mark.parametrize("spec, ranks", [
+    ("all", [0, 1, 2, 3]), (None, [0, 1, 2, 3]), ("0", [0]), ("0,2", [0, 2]),
+    ("1-3", [1, 2, 3]), ("0, 2-3", [0, 2, 3]), ("3,1", [1, 3]),
+])
+def test_parse_ranks(spec, ranks):
+    assert parse_ranks(spec, 4) == ranks
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("4", "rank 4 does not exist: the cluster has ranks 0-3"),
+    ("x", "malformed"), ("1-", "malformed"), ("-1", "malformed"), ("3-1", "backwards"),
+])
+def test_parse_ranks_errors(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_ranks(spec, 4)
+
+
+def test_format_ranks():
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+class Sink:
+    def __init__(self):
+        self.out: list[tuple[str, str]] = []
+
+    def __call__(self, stream, text):
+        self.out.append((stream, text))
+
+    @property
+    def text(self):
+        return "".join(t for _, t in self.out)
+
+
+def test_relay_groups_identical_lines_and_keeps_order():
+    sink = Sink()
+    relay = OutputRelay([0, 1], sink, hold=0.3)
+    relay.feed(0, "stdout", "a\nb\n", 0.0)
+    relay.feed(1, "stdout", "a\n", 0.0)
+    relay.flush(0.1)
+    assert sink.text == "[ranks 0-1] a\n"  # b waits for rank 1
+    relay.feed(1, "stdout", "c\n", 0.2)
+    relay.flush(0.5)
+    assert sink.text == "[ranks 0-1] a\n[rank 0] b\n[rank 1] c\n"
+
+
+def test_relay_partial_lines_and_final_flush():
+    sink = Sink()
+    relay = OutputRelay([0, 1], sink)
+    relay.feed(0, "stdout", "par", 0.0)
+    relay.feed(0, "stdout", "tial\nrest", 0.0)
+    relay.feed(1, "stderr", "oops\n", 0.0)
+    relay.flush(1.0, final=True)
+    assert ("stdout", "[rank 0] partial\n[rank 0] rest\n") in sink.out
+    assert ("stderr", "[rank 1] oops\n") in sink.out
+
+
+def test_relay_single_rank_has_no_prefix():
+    sink = Sink()
+    relay = OutputRelay([3], sink)
+    relay.feed(3, "stdout", "x\n", 0.0)
+    relay.flush(0.0)
+    assert sink.text == "x\n"
+
+
+def test_relay_cap_cuts_and_says_how_much():
+    sink = Sink()
+    relay = OutputRelay([0], sink, cap=10)
+    relay.feed(0, "stdout", "0123456789abcdef\n" * 3, 0.0)
+    relay.flush(0.0, final=True)
+    assert len(sink.text) == 10
+    assert "41 more characters were dropped" in relay.cap_note()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"n": 0}, "-n must be a positive"), ({"launcher": "pbs"}, "--launcher 'pbs'"),
+    ({"backend": "mpi"}, "--backend 'mpi'"), ({"hostfile": "/no/such"}, "no such file"),
+    ({"timeout": 0}, "--timeout must be positive"),
+])
+def test_cluster_config_validation(kwargs, message):
+    with pytest.raises(ClusterError, match=message):
+        ClusterConfig(**kwargs).validate()
+
+
+def test_find_mpiexec_order(tmp_path, monkeypatch):
+    exe = tmp_path / "my-mpiexec"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    assert find_mpiexec(str(exe)) == str(exe)
+    monkeypatch.setenv("MPILAB_MPIEXEC", str(exe))
+    assert find_mpiexec() == str(exe)
+    monkeypatch.setenv("MPILAB_MPIEXEC", str(tmp_path / "missing"))
+    with pytest.raises(ClusterError, match=r"\$MPILAB_MPIEXEC .*not an executable"):
+        find_mpiexec()
+    monkeypatch.delenv("MPILAB_MPIEXEC")
+    assert find_mpiexec().endswith("/mpiexec")
+
+
+def test_parse_gpus_and_backend():
+    assert parse_gpus("auto", 4) == [0, 1, 2, 3]
+    assert parse_gpus("none", 4) == []
+    assert parse_gpus("1,3", 4) == [1, 3]
+    assert parse_gpus("auto", 0) == []
+    with pytest.raises(BootstrapError, match="names GPU 5 but this node has 4"):
+        parse_gpus("5", 4)
+    with pytest.raises(BootstrapError, match="is not auto, none or a list"):
+        parse_gpus("first", 4)
+    assert choose_backend("auto", "cuda") == "nccl"
+    assert choose_backend("auto", "cpu") == "gloo"
+    with pytest.raises(BootstrapError, match="nccl needs GPUs"):
+        choose_backend("nccl", "cpu")
+
+
+def test_auto_mode_transformer_leaves_control_cells_alone():
+    assert _run_on_ranks(["x = 1\n"]) == ["%%ranks\n", "x = 1\n"]
+    for control in ("%mpilab auto off\n", "%%ranks 0\n", "%load_ext mpilab\n"):
+        assert _run_on_ranks([control]) == [control]
+    assert _run_on_ranks(["\n"]) == ["\n"]
