@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from kernel import Kernel
 
 PIDS_CODE = """

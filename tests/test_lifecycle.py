@@ -7,10 +7,9 @@ import sys
 from pathlib import Path
 
 import psutil
-
 from conftest import cluster_pids
 from kernel import Kernel
-from mpirun import MPIEXEC, run_ranks
+from mpirun import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 MPILAB = str(Path(sys.executable).parent / "mpilab")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from mpilab.cluster import ClusterConfig, ClusterError, find_mpiexec
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.runner import OutputRelay, format_ranks, parse_ranks
