@@ -41,6 +41,7 @@ from .shm import ShmEngine
 from .waiting import wait_interruptibly
 
 _KINDS = "fiu"
+_OPS = frozenset(("sum", "max", "min"))
 
 
 @dataclass
@@ -76,10 +77,10 @@ _last: tuple[object, Plan] | None = None
 def plan_for(comm) -> Plan:
     """The cached plan of `comm`; the first call is collective on `comm`."""
     global _keyval, _last
-    from mpi4py import MPI
-
     if _last is not None and _last[0] is comm:
         return _last[1]
+    from mpi4py import MPI
+
     if _keyval is None:
         _keyval = MPI.Comm.Create_keyval(delete_fn=_forget)
     plan = comm.Get_attr(_keyval)
@@ -146,19 +147,19 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
 
     (mean is sum followed by a division, done by the caller.)
     """
-    if op not in ("sum", "max", "min"):
+    if op not in _OPS:
         raise ValueError(f"allreduce op {op!r} is not sum, max or min")
-    if not array.flags.c_contiguous:
-        raise ValueError("allreduce_inplace needs a C-contiguous array; pass a copy")
     if array.dtype.kind not in _KINDS:
         raise TypeError(
             f"allreduce of dtype {array.dtype} is not supported: use a float or int array "
             "(convert bfloat16 to float32 first)"
         )
+    if not array.flags.c_contiguous:
+        raise ValueError("allreduce_inplace needs a C-contiguous array; pass a copy")
     if array.size == 0:
         return
-    plan = plan_for(comm)
     flat = array.reshape(-1)
+    plan = plan_for(comm)
     path = plan.path
     if path == "mpi":
         _mpi_allreduce(flat, op, comm)
