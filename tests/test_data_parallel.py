@@ -66,24 +66,28 @@ def mine(k):
     lo = k * 2 * B + ctx.rank * B
     return X[lo:lo + B], Y[lo:lo + B]
 
+VARIANTS = [("plain", {}, False), ("buckets", {"bucket_mb": 0.002}, False),
+            ("no_sync", {"bucket_mb": 0.002}, True), ("fp16", {"compression": "fp16"}, False),
+            ("bf16", {"compression": "bf16"}, False)]
 out = {}
-for backend in ("mpi", "torch"):
-    for name, kw, acc in [("plain", {}, False), ("buckets", {"bucket_mb": 0.002}, False),
-                          ("no_sync", {"bucket_mb": 0.002}, True),
-                          ("fp16", {"compression": "fp16"}, False),
-                          ("bf16", {"compression": "bf16"}, False)]:
+for backend in ("mpi", "torch", "mpi-inline"):
+    if backend == "mpi-inline":  # an MPI without THREAD_MULTIPLE: no comm thread
+        from mpilab.rank import data_parallel
+        data_parallel._comm_thread.threaded = False
+    for name, kw, acc in VARIANTS if backend != "mpi-inline" else VARIANTS[1:3]:
         model = make()
         with torch.no_grad():  # different start on rank 1: the wrap must broadcast rank 0's
             for p in model.parameters():
                 p.add_(ctx.rank)
         records.clear()
-        dp = mpilab.DataParallel(model, backend=backend, **kw)
+        dp = mpilab.DataParallel(model, backend=backend.split("-")[0], **kw)
         train(dp, mine, accumulate=acc)
         err = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref_params))
         num = sum(((p - r) ** 2).sum() for p, r in zip(model.parameters(), ref_params)) ** 0.5
         den = sum(((r - s) ** 2).sum() for r, s in zip(ref_params, start)) ** 0.5
         steps = [f for kind, f in records if kind == "step"]
         out[f"{backend}-{name}"] = {
+            "buckets": len(dp._sync.buckets) if dp._sync else None,
             "err": err, "rel_update_err": float(num / den),
             "steps": [f["step"] for f in steps], "samples": [f["samples"] for f in steps],
             "nbytes_ok": all(f["nbytes"] > 0 for f in steps),
@@ -114,6 +118,16 @@ def test_matches_one_process_with_the_global_batch(trained: list, backend: str,
                                                    variant: str) -> None:
     for rank_out in trained:
         assert rank_out[f"{backend}-{variant}"]["err"] < 1e-5
+    if backend == "mpi":
+        assert trained[0]["mpi-plain"]["buckets"] == 1
+        assert trained[0][f"mpi-{variant}"]["buckets"] >= (1 if variant == "plain" else 3)
+
+
+@pytest.mark.parametrize("variant", ["buckets", "no_sync"])
+def test_without_a_comm_thread(trained: list, variant: str) -> None:
+    for rank_out in trained:
+        assert rank_out[f"mpi-inline-{variant}"]["err"] < 1e-5
+        assert rank_out[f"mpi-inline-{variant}"]["steps"] == [1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])

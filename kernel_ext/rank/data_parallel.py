@@ -2,12 +2,13 @@
 
 ``backend="mpi"`` is mpilab's own gradient synchronisation, in the manner of Theano-MPI
 and Horovod: parameters are grouped into buckets in reverse order (the order backward
-produces their gradients); a post-accumulate-grad hook copies each gradient into its
-bucket's flat buffer and points ``param.grad`` at that slot, so later steps accumulate in
-place. A full bucket is handed at once to one background communication thread that
-allreduces it (``allreduce_inplace`` on a zero-copy NumPy view), so communication
-overlaps the rest of backward. A callback queued on the autograd engine waits for every
-bucket at the end of backward, so gradients are averaged before any optimizer step.
+produces their gradients); a post-accumulate-grad hook copies each gradient, divided
+by the number of ranks, into its bucket's flat buffer and points ``param.grad`` at that
+slot, so later accumulation happens in place. A full bucket is handed at once to one
+background communication thread that allreduces it (``allreduce_inplace`` on a
+zero-copy NumPy view), so communication overlaps the rest of backward. A callback
+queued on the autograd engine waits for every bucket at the end of backward, so
+gradients are averaged before any optimizer step.
 
 Buckets are started strictly in index order and travel on one thread and one private
 communicator, so every rank issues the same collectives in the same order.
@@ -130,28 +131,42 @@ class _CommThread:
 
     Shared by every DataParallel of the process: one FIFO keeps all ranks' collectives
     in the same order, and one communicator is created however often a cell rewraps.
+    The thread calls MPI while the training thread may too (on other communicators),
+    which needs MPI_THREAD_MULTIPLE: mpi4py asks for it by default and MPICH grants it
+    (``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` under mpiexec and in ipyparallel's
+    MPI engines). Where an MPI grants less, buckets are reduced on the training thread
+    as they fill: correct, without the overlap.
     """
 
-    def __init__(self, comm: Any):
+    def __init__(self, comm: Any, threaded: bool):
         self.comm = comm
         self.queue: queue.SimpleQueue[_Bucket] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True)
-        self.thread.start()
+        self.threaded = threaded
+        if threaded:
+            threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True).start()
+
+    def submit(self, bucket: _Bucket) -> None:
+        if self.threaded:
+            self.queue.put(bucket)
+        else:
+            self._process(bucket)
 
     def _run(self) -> None:
         while True:
-            bucket = self.queue.get()
-            start = time.perf_counter()
-            try:
-                if bucket.copied is not None:
-                    bucket.copied.synchronize()
-                shape = str(bucket.host.numel())
-                with agent_mod.current().collective("dp_allreduce", bucket.nbytes, shape):
-                    self._reduce(bucket)
-            except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
-                bucket.error = e
-            bucket.comm_s = time.perf_counter() - start
-            bucket.done.set()
+            self._process(self.queue.get())
+
+    def _process(self, bucket: _Bucket) -> None:
+        start = time.perf_counter()
+        try:
+            if bucket.copied is not None:
+                bucket.copied.synchronize()
+            shape = str(bucket.host.numel())
+            with agent_mod.current().collective("dp_allreduce", bucket.nbytes, shape):
+                self._reduce(bucket)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
+            bucket.error = e
+        bucket.comm_s = time.perf_counter() - start
+        bucket.done.set()
 
     def _reduce(self, bucket: _Bucket) -> None:
         if bucket.compression == "bf16":
@@ -172,7 +187,10 @@ def _shared_comm_thread() -> _CommThread:
     """Created at the first wrap, which runs on every rank (Dup is collective)."""
     global _comm_thread
     if _comm_thread is None:
-        _comm_thread = _CommThread(bootstrap.context().comm.Dup())
+        from mpi4py import MPI
+
+        threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
+        _comm_thread = _CommThread(bootstrap.context().comm.Dup(), threaded)
     return _comm_thread
 
 
@@ -205,10 +223,12 @@ class _MPIGradSync:
         if bucket.ready[i]:
             return  # a second backward through the same graph before the sync
         slot = bucket.slots[i]
-        with torch.no_grad():
+        with torch.no_grad():  # average as we pack: one pass over the gradient, not two
             if p.grad.data_ptr() != slot.data_ptr():
-                slot.copy_(p.grad)
+                torch.div(p.grad, self.world_size, out=slot)
                 p.grad = slot
+            else:
+                slot.div_(self.world_size)
         bucket.ready[i] = True
         bucket.n_ready += 1
         self._launch_ready()
@@ -223,8 +243,7 @@ class _MPIGradSync:
             self.next_bucket += 1
 
     def _launch(self, bucket: _Bucket) -> None:
-        with torch.no_grad():
-            bucket.flat.div_(self.world_size)  # before any narrowing: no fp16 overflow
+        with torch.no_grad():  # already divided by world_size: no fp16 overflow
             if bucket.wire is not bucket.flat:
                 bucket.wire.copy_(bucket.flat)
             if bucket.host is not bucket.wire:
@@ -232,7 +251,7 @@ class _MPIGradSync:
                 bucket.copied = torch.cuda.Event()
                 bucket.copied.record()
         self.clock.nbytes += bucket.nbytes
-        self.comm.queue.put(bucket)
+        self.comm.submit(bucket)
 
     def _finish(self) -> None:
         """End of backward: reduce what no hook reported (unused parameters), then wait."""
