@@ -54,12 +54,9 @@ class Plan:
     leaders: object | None  # node leaders' communicator; None on non-leaders/single-node
     multi_node: bool
 
-    @property
-    def path(self) -> str:
-        """The path allreduce_inplace takes on this communicator: mpi | shm | hierarchical."""
-        if not self.shm:
-            return "mpi"
-        return "hierarchical" if self.multi_node else "shm"
+    def __post_init__(self) -> None:
+        # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
+        self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
 
     def close(self) -> None:
         if self.node is not None:
@@ -158,7 +155,7 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
         raise ValueError("allreduce_inplace needs a C-contiguous array; pass a copy")
     if array.size == 0:
         return
-    flat = array.reshape(-1)
+    flat = array if array.ndim == 1 else array.reshape(-1)
     plan = plan_for(comm)
     path = plan.path
     if path == "mpi":
