@@ -63,7 +63,7 @@ def main() -> int:
           f"{'≥ best':>7} {'≥ 60% node memcpy':>18}")
     met_all = True
     for s in sizes:
-        size = rows[0]["size_bytes"] if s < 4 else s // 4 * 4
+        size = max(4, s // 4 * 4)  # float32 elements
         ours, mpi, gloo = (bw[(b, size)] for b in ("mpilab", "mpi", "gloo"))
         beat = ours >= max(mpi, gloo)
         ceiling = "-" if size < MIB else ("yes" if ours >= 0.6 * node_memcpy else "no")

@@ -88,28 +88,36 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     ctx = bootstrap.context()
     comm, n = ctx.comm, ctx.world_size
     rows: list[dict] = []
+    running = []
     for backend in backends:
         note = _unavailable(backend)
         if note:
             rows.append({"op": op, "backend": backend, "size_bytes": None, "time_s": None,
                          "algbw_GBps": None, "busbw_GBps": None, "note": note})
-            continue
-        for size in sizes:
-            step = _step(op, backend, size, ctx)
-            times = []
-            for i in range(_WARMUP + repeats):
+        else:
+            running.append(backend)
+    measured: dict[tuple[str, int], dict] = {}
+    for size in sizes:
+        steps = {b: _step(op, b, size, ctx) for b in running}
+        times: dict[str, list[float]] = {b: [] for b in running}
+        # Backends take turns at every repetition, so a burst of load on the node hits
+        # them alike instead of spoiling one backend's whole series.
+        for i in range(_WARMUP + repeats):
+            for b, step in steps.items():
                 wait_interruptibly(comm.Ibarrier())
                 t0 = time.perf_counter()
                 step()
                 if i >= _WARMUP:
-                    times.append(time.perf_counter() - t0)
-            slowest = np.array(times)
+                    times[b].append(time.perf_counter() - t0)
+        nbytes = _effective_size(op, size, n)
+        for b in running:
+            slowest = np.array(times[b])
             comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
             t = float(np.median(slowest))
-            nbytes = _effective_size(op, size, n)
             algbw = nbytes / t / 1e9
-            rows.append({"op": op, "backend": backend, "size_bytes": nbytes, "time_s": t,
-                         "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)})
+            measured[(b, size)] = {"op": op, "backend": b, "size_bytes": nbytes, "time_s": t,
+                                   "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)}
+    rows += [measured[(b, size)] for b in running for size in sizes]
     return rows if ctx.rank == 0 else []
 
 
