@@ -142,9 +142,10 @@ class RankCluster:
             log=_quiet_log(),
             shutdown_atexit=False,  # our Session.shutdown ends everything, by pid, fast
         )
-        preload = ("--IPEngine.startup_command="
-                   "import mpilab.rank.engine as _mpilab_engine; _mpilab_engine.preload()")
-        cluster.engine_args = [preload]
+        # engines start importing torch while they register (mpilab.rank.engine_main)
+        engine_cmd = [sys.executable, "-m", "mpilab.rank.engine_main"]
+        for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher", "SSHEngineSetLauncher"):
+            cluster.config[launcher].engine_cmd = engine_cmd
         if cfg.launcher == "mpi":
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
             if cfg.hostfile:
