@@ -63,7 +63,9 @@ for backend in ("mpi", "torch"):
                 if op == "mean" and not dt.is_floating_point:
                     want = torch.div(expected(numel, "sum"), n, rounding_mode="floor")
                 wants.append(want.reshape(shape))
-        # a non-contiguous tensor is reduced in place too
+        # a parameter (requires_grad) and a non-contiguous tensor are reduced in place too
+        tensors.append(torch.nn.Parameter(value(r, 9).float()))
+        wants.append(expected(9, op))
         base = value(r, 200).float().reshape(10, 20)
         tensors.append(base.t())
         wants.append(expected(200, op).reshape(10, 20).t())

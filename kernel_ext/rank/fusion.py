@@ -58,8 +58,9 @@ def grouped_allreduce(
         from .bootstrap import context
 
         comm = context().comm
-    for kind, device, wire, members in _buckets(tensors, plans, limit):
-        _reduce_bucket([tensors[i] for i in members], kind, device, wire, op, comm)
+    with torch.no_grad():  # parameters (requires_grad) are reduced in place too
+        for kind, device, wire, members in _buckets(tensors, plans, limit):
+            _reduce_bucket([tensors[i] for i in members], kind, device, wire, op, comm)
     return tensors
 
 
@@ -117,7 +118,7 @@ def _reduce_bucket(members, kind, device, wire, op, comm) -> None:
             offset += t.numel()
     reduce_op = "sum" if op == "mean" else op
     if kind == "mpi":
-        allreduce_inplace(buf.numpy(), reduce_op, comm)
+        allreduce_inplace(buf.detach().numpy(), reduce_op, comm)
         world = comm.Get_size()
     else:
         _torch_allreduce(buf, reduce_op)
