@@ -1,16 +1,17 @@
 """The numpy allreduce the MPI path of mpilab's collectives goes through.
 
 One function, so the fastest available implementation is used everywhere
-(mpilab.allreduce, DataParallel(backend="mpi"), the benchmarks). It picks, per
-communicator and message size:
+(mpilab.allreduce, DataParallel(backend="mpi"), the benchmarks). It picks, once per
+communicator:
 
 - ``mpi``: MPI's own Iallreduce, where no two ranks share a node or shared memory is
   unavailable. Not for tiny messages on one node: MPI's blocking Allreduce takes ~5 µs
   at 4 KiB there, but it cannot be interrupted, and the interruptible Iallreduce takes
-  ~55 µs (MPICH's schedule-based non-blocking path), against ~4 µs for the shm path;
+  ~55 µs (MPICH's schedule-based non-blocking path), against ~4 µs for the shm path
+  (2 ranks, this 2-core VM);
 - ``shm``: every rank of the communicator is on one node: the shared-memory engine
   (`mpilab.rank.shm`) reduces in place at close to memory bandwidth;
-- ``hierarchical``: several nodes with several ranks each: reduce within each node
+- ``hierarchical``: several nodes, some with several ranks: reduce within each node
   through shared memory, allreduce among one leader per node over MPI, broadcast back
   within the node.
 
@@ -20,9 +21,14 @@ Rules for callers:
   attribute, so every rank of `comm` must make the same calls in the same order, as with
   any MPI collective. A thread that communicates concurrently with another thread must
   use its own communicator (``comm.Dup()``), made on all ranks in the same order.
-- Arrays: 1 element or more, C-contiguous; dtypes float16/32/64 and (u)int8-64. bfloat16
+- Arrays: C-contiguous (empty ones return at once); dtypes float16/32/64 and
+  (u)int8-64; every rank passes the same size and dtype. bfloat16
   has no NumPy dtype: callers convert bfloat16 tensors to float32 before calling (a raw
   uint16 view would be summed as integers, which is wrong).
+- Not re-entrant per communicator: one collective at a time (a lock keeps two threads
+  from corrupting the shared state; their order would still have to match across ranks).
+  If a collective is interrupted half-way (Ctrl-C), later calls on that communicator
+  raise `ShmBroken` saying the ranks must be restarted, instead of hanging.
 - Every rank gets bit-identical results (reductions use the same operand order on all
   ranks), so data-parallel replicas never drift apart.
 - ``MPILAB_ALLREDUCE=mpi`` forces MPI's own path (for comparisons and debugging);
