@@ -70,7 +70,6 @@ class ShmEngine:
     def __init__(self, node_comm, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
         from mpi4py import MPI
 
-        self.comm = node_comm
         self.size = node_comm.Get_size()
         self.rank = node_comm.Get_rank()
         self.chunk_bytes = chunk_bytes - chunk_bytes % CACHE_LINE
