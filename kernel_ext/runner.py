@@ -236,8 +236,9 @@ class CellRunner:
         return None
 
     def _relay(self, ar, ranks: list[int], options: RunOptions, outcome: CellOutcome) -> None:
-        client = self.cluster.client
-        md_of_rank = {r: client.metadata[mid] for r, mid in zip(ranks, ar.msg_ids)}
+        # the result's own metadata: the client forgets it once the output is complete
+        metadata = ar.metadata if isinstance(ar.metadata, list) else [ar.metadata]
+        md_of_rank = dict(zip(ranks, metadata))
         offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
         shown_outputs = {r: 0 for r in ranks}
         relay = OutputRelay(ranks, self.write, cap=options.output_cap)
