@@ -60,6 +60,8 @@ class Agent:
         fields["r"] = self.rank
         fields.setdefault("t", time.time())
         self._queue.append(fields)
+        if not self._wake.is_set():
+            self._wake.set()  # the dashboard sees a record within milliseconds
 
     def heartbeat(self) -> dict:
         st = self.state
