@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import textwrap
@@ -120,7 +121,7 @@ def test_dashboard_figures_from_synthetic_store():
     fig = dash.figure
     names = [t.name for t in fig.data]
     assert names[:3] == ["rank 0", "rank 1", "total"]
-    assert {"compute", "comm", "other", "loss", "acc"} <= set(names)
+    assert {"compute", "comm wait", "loss", "acc"} <= set(names)
     by_name = {(t.name, t.xaxis): t for t in fig.data}
     # throughput: samples/s per rank, total = sum over ranks
     r0 = by_name[("rank 0", "x")]
@@ -128,8 +129,9 @@ def test_dashboard_figures_from_synthetic_store():
     total = by_name[("total", "x")]
     assert total.y[0] == pytest.approx(32 / 0.19 + 32 / 0.2)
     # step split: the straggler computes longer, the other rank waits in comm
-    compute, comm = by_name[("compute", "x2")], by_name[("comm", "x2")]
-    assert compute.y[1] > compute.y[0] and comm.y[0] > comm.y[1]
+    compute, wait = by_name[("compute", "x2")], by_name[("comm wait", "x2")]
+    assert compute.y[1] > compute.y[0] and wait.y[0] > wait.y[1]
+    assert compute.y[0] + wait.y[0] == pytest.approx(0.19)
     # loss is the mean over ranks at each step
     loss = by_name[("loss", "x3")]
     assert loss.y[0] == pytest.approx(1.0 + 0.005)
@@ -209,6 +211,17 @@ def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
     assert bundle["text/plain"].startswith("mpilab dashboard: 2 ranks, step 9")
     assert "loss" in bundle["text/plain"]
     json.dumps(bundle)  # display(bundle, raw=True) sends it as JSON
+
+
+def test_dashboard_final_bundle_is_static_where_no_frontend_showed_the_widget():
+    dash = Dashboard(filled_store(steps=10), world_size=2)
+    final = dash.mimebundle(final=True)
+    assert WIDGET_VIEW_MIME not in final
+    assert set(final) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
+    x = final["application/vnd.plotly.v1+json"]["data"][0]["x"]  # plotly.js typed array
+    assert len(np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])) == 10
+    dash.figure._view_count = 1  # what JupyterLab's widget manager reports
+    assert WIDGET_VIEW_MIME in dash.mimebundle(final=True)
 
 
 def test_dashboard_refresh_from_a_thread():

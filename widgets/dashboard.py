@@ -17,10 +17,13 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from .plotting import WIDGET_VIEW_MIME, downsample, figure_html, rank_color
+from .plotting import WIDGET_VIEW_MIME, downsample, figure_bundle, figure_html, rank_color
 
 MIN_REDRAW_INTERVAL_S = 0.25  # at most 4 redraws a second, whatever the record rate
 SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
+# A step's time is compute plus the communication it waited for (the rest overlapped
+# with backward); the stack is the step time, and a straggler's peers wait longest.
+SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
 Series = tuple[np.ndarray, np.ndarray]
 
 
@@ -30,7 +33,7 @@ class _Snapshot:
 
     throughput: dict[int, Series] = field(default_factory=dict)
     total: Series = (np.empty(0), np.empty(0))
-    split: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    split: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute, comm wait
     bandwidth: dict[int, Series] = field(default_factory=dict)
     scalars: dict[str, Series] = field(default_factory=dict)
     last_step: int | None = None
@@ -90,13 +93,18 @@ class Dashboard:
         """The same plots as a plain Figure, for frontends without widgets."""
         return self._static(self._snapshot())
 
-    def mimebundle(self) -> dict:
+    def mimebundle(self, final: bool = False) -> dict:
         """One bundle: the live widget for JupyterLab, a static plot and text for the rest.
 
         nbconvert and nbclient have no widget frontend; they fall back to the HTML
-        (plotly.js from the CDN), so executed notebooks keep their plots.
+        (plotly.js from the CDN), so executed notebooks keep their plots. With `final`
+        (the run is over) the widget is left out where no frontend ever showed it:
+        nbclient stores every widget's state, and nbconvert then prefers a widget view
+        over the HTML; JupyterLab, when it missed the live view, draws the plotly data.
         """
         snapshot = self._snapshot()
+        if final and not self.figure._view_count:
+            return figure_bundle(self._static(snapshot), text=self._summary(snapshot))
         return {
             WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
                                "model_id": self.figure.model_id},
@@ -110,9 +118,9 @@ class Dashboard:
     # -- building ---------------------------------------------------------------------------
     def _base_figure(self) -> go.Figure:
         fig = make_subplots(
-            rows=2, cols=2, vertical_spacing=0.14, horizontal_spacing=0.08,
+            rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
             subplot_titles=("Throughput (samples/s)",
-                            f"Step time per rank (mean of last {SPLIT_WINDOW} steps)",
+                            f"Step time (s), mean of last {SPLIT_WINDOW} steps",
                             "Loss and logged scalars", "Communication bandwidth (GB/s)"),
         )
         for r in range(self.world_size):
@@ -120,20 +128,26 @@ class Dashboard:
                                      line={"color": rank_color(r)}), row=1, col=1)
         fig.add_trace(go.Scatter(name="total", mode="lines",
                                  line={"color": "black", "dash": "dot"}), row=1, col=1)
-        ranks = [f"rank {r}" for r in range(self.world_size)]
-        for part, color in (("compute", "#4c78a8"), ("comm", "#e45756"), ("other", "#bab0ac")):
+        # numeric x with rank labels: a view created after restyles (update_display)
+        # draws bars without their x, i.e. at 0..n-1, which then is still right
+        ranks = list(range(self.world_size))
+        for part, color in SPLIT_PARTS:
             fig.add_trace(go.Bar(name=part, x=ranks, y=[0] * self.world_size,
                                  marker_color=color, hovertemplate="%{y:.4f} s"), row=1, col=2)
         for r in range(self.world_size):
             fig.add_trace(go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", showlegend=False,
                                      mode="lines", line={"color": rank_color(r)}), row=2, col=2)
-        fig.update_layout(height=620, barmode="stack", margin={"t": 60, "b": 40, "l": 50, "r": 20},
-                          title={"text": f"mpilab training: {self.world_size} ranks", "x": 0.01},
-                          legend={"tracegroupgap": 4}, template="plotly_white")
+        # the legend sits above the plots: the widget is drawn 700 px wide in JupyterLab
+        # (it is sized before it is attached), and the plots need that width
+        fig.update_layout(height=640, barmode="stack", template="plotly_white",
+                          margin={"t": 100, "b": 40, "l": 50, "r": 20},
+                          title={"text": f"mpilab training: {self.world_size} ranks",
+                                 "x": 0.01, "y": 0.985},
+                          legend={"orientation": "h", "x": 0, "y": 1.09, "yanchor": "bottom"})
         fig.update_xaxes(title_text="step", row=1, col=1)
         fig.update_xaxes(title_text="step", row=2, col=1)
         fig.update_xaxes(title_text="step", row=2, col=2)
-        fig.update_yaxes(title_text="seconds", row=1, col=2)
+        fig.update_xaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=1, col=2)
         return fig
 
     def _static(self, snap: _Snapshot) -> go.Figure:
@@ -152,11 +166,11 @@ class Dashboard:
         with fig.batch_update():
             for r in range(w):
                 fig.data[r].x, fig.data[r].y = downsample(*snap.throughput.get(r, empty))
-                fig.data[w + 4 + r].x, fig.data[w + 4 + r].y = downsample(
-                    *snap.bandwidth.get(r, empty))
+                bw = fig.data[w + 1 + len(SPLIT_PARTS) + r]
+                bw.x, bw.y = downsample(*snap.bandwidth.get(r, empty))
             fig.data[w].x, fig.data[w].y = downsample(*snap.total)
-            for part in range(3):
-                fig.data[w + 1 + part].y = [snap.split.get(r, (0.0, 0.0, 0.0))[part]
+            for part in range(len(SPLIT_PARTS)):
+                fig.data[w + 1 + part].y = [snap.split.get(r, (0.0, 0.0))[part]
                                             for r in range(w)]
             for name, index in scalar_traces.items():
                 fig.data[index].x, fig.data[index].y = downsample(*snap.scalars.get(name, empty))
@@ -181,8 +195,8 @@ class Dashboard:
             moving = (comm > 0) & (nbytes > 0)
             snap.bandwidth[r] = (steps[moving], nbytes[moving] / comm[moving] / 1e9)
             recent = slice(-SPLIT_WINDOW, None)
-            c, m = compute[recent].mean(), comm[recent].mean()
-            snap.split[r] = (c, m, max(dur[recent].mean() - c - m, 0.0))
+            c = compute[recent].mean()
+            snap.split[r] = (c, max(dur[recent].mean() - c, 0.0))
             snap.last_step = max(snap.last_step or 0, int(steps.max()))
         # the total counts a step only once every training rank has reported it
         reporting = len(per_rank)

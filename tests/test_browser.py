@@ -1,0 +1,344 @@
+"""The widgets in a real JupyterLab, in a real browser (Debian's chromium, Playwright).
+
+A JupyterLab server is started on 127.0.0.1 with a token in a temporary root; chromium
+opens notebooks there and runs their cells with the keyboard, as a user would.
+Screenshots go to build/. Without /usr/bin/chromium the tests skip locally, never in CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--no-first-run", "--disable-sync"]
+REPO = Path(__file__).resolve().parents[1]
+BUILD = REPO / "build"
+JUPYTER = Path(sys.executable).parent / "jupyter"
+
+pytestmark = pytest.mark.timeout(300)
+
+if not CHROMIUM.exists():
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{CHROMIUM} is missing; CI installs it with "
+                           "`apt-get install -y chromium`")
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium); browser tests skipped "
+                "outside CI", allow_module_level=True)
+
+
+# -- the server and the browser ------------------------------------------------------------
+class Lab:
+    """A running JupyterLab: where it is and how to reach it."""
+
+    def __init__(self, root: Path, port: int, token: str):
+        self.root, self.port, self.token = root, port, token
+
+    def url(self, notebook: str) -> str:
+        return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}"
+
+    def write_notebook(self, name: str, cells: list[str]) -> str:
+        nb = nbformat.v4.new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                     "language": "python"}
+        nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+        nbformat.write(nb, self.root / name)
+        return name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory) -> Iterator[Lab]:
+    """JupyterLab on 127.0.0.1, a free port and a token, killed by pid at teardown."""
+    base = tmp_path_factory.mktemp("lab")
+    root = base / "root"
+    root.mkdir()
+    port, token = _free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
+           "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
+           "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
+           "PATH": f"{JUPYTER.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    # no toasts over the notebook (news, updates): a quiet user settings dir
+    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}))
+    log = (base / "lab.log").open("wb")
+    proc = subprocess.Popen(
+        [str(JUPYTER), "lab", "--no-browser", "--ServerApp.open_browser=False",
+         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+         *(["--allow-root"] if os.geteuid() == 0 else [])],  # CI containers run as root
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(
+                        f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"jupyter lab did not start:\n{(base / 'lab.log').read_text()}")
+            time.sleep(0.3)
+        yield Lab(root, port, token)
+    finally:
+        proc.terminate()  # the server shuts its kernels down on SIGTERM
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
+                                      args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser, request):
+    BUILD.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        yield page
+    finally:
+        # the last state of the page, for when a test fails (in CI, the only clue)
+        page.screenshot(path=str(BUILD / f"{request.node.name}-last.png"), full_page=True)
+        context.close()
+
+
+# -- driving a notebook --------------------------------------------------------------------
+def open_notebook(page, lab: Lab, name: str) -> None:
+    page.goto(lab.url(name))
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
+    # the kernel is started and connected (before that the indicator says idle too)
+    page.get_by_text(re.compile(r"\(ipykernel\) \| Idle")).wait_for(timeout=90_000)
+
+
+def cell(page, index: int):
+    return page.locator(".jp-Notebook .jp-Cell").nth(index)
+
+
+def run_cell(page, index: int) -> None:
+    """Select the cell (command mode) and run it with Shift+Enter, as a user does."""
+    cell(page, index).locator(".jp-InputPrompt").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_function(
+        "i => /\\[[*0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').textContent)", arg=index, timeout=30_000)
+
+
+def is_running(page, index: int) -> bool:
+    return "[*]" in cell(page, index).locator(".jp-InputPrompt").inner_text()
+
+
+def wait_cell_done(page, index: int, timeout_s: float = 120) -> None:
+    page.wait_for_function(
+        "i => /\\[[0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').textContent)", arg=index,
+        timeout=timeout_s * 1000)
+    errors = cell(page, index).locator(".jp-OutputArea-output[data-mime-type="
+                                       "'application/vnd.jupyter.stderr']")
+    tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
+    assert not tracebacks, f"cell {index} failed:\n" + "\n".join(tracebacks)
+
+
+def trace_lengths(page, index: int) -> list[list[int]]:
+    """Points per trace of each plotly plot in a cell's output, read from the DOM.
+
+    plotly.js keeps what it drew in `_fullData` (typed arrays decoded, unlike `data`).
+    """
+    return page.evaluate(
+        """i => [...document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                   .querySelectorAll('.js-plotly-plot')]
+                 .map(p => (p._fullData || []).map(t => t.x ? t.x.length : 0))""", index)
+
+
+def wait_for_plot(page, index: int, timeout_s: float = 60) -> None:
+    cell(page, index).locator(".jp-OutputArea .js-plotly-plot").first.wait_for(
+        timeout=timeout_s * 1000)
+
+
+def watch_growth(page, index: int, while_=lambda: True, timeout_s: float = 60) -> list[int]:
+    """Total points in the cell's first plot, sampled until `while_()` turns false."""
+    seen = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not while_():
+            break
+        lengths = trace_lengths(page, index)
+        if lengths:
+            total = sum(lengths[0])
+            if not seen or total != seen[-1]:
+                seen.append(total)
+        page.wait_for_timeout(200)
+    return seen
+
+
+def screenshot(page, name: str, index: int, output: int = 0) -> Path:
+    """One output of a cell, scrolled into view (JupyterLab scrolls inside its panel)."""
+    path = BUILD / f"{name}.png"
+    target = cell(page, index).locator(".jp-OutputArea-output").nth(output)
+    target.scroll_into_view_if_needed()
+    target.screenshot(path=str(path))
+    return path
+
+
+# -- the widget alone, fed from a synthetic store -------------------------------------------
+SYNTHETIC_SETUP = """\
+import threading, time
+from mpilab.channel import MetricsStore
+from mpilab.widgets import Dashboard
+
+store = MetricsStore(world_size=2)
+
+def add_step(step):
+    now = time.time()
+    for r in range(2):
+        dur = 0.05 + 0.03 * r  # rank 1 is the straggler
+        store.add({"k": "step", "r": r, "t": now, "step": step, "dur": dur,
+                   "compute": 0.03 + 0.03 * r, "comm": 0.02, "nbytes": 4_000_000 + step,
+                   "samples": 32})
+        store.add({"k": "log", "r": r, "t": now, "step": step,
+                   "values": {"loss": 2.0 / (1 + step / 20) + 0.01 * r}})
+"""
+
+# like a --noblock cell: the kernel is idle, a thread feeds and redraws
+FED_STEPS = 160
+NOBLOCK_CELL = f"""\
+dash = Dashboard(store, world_size=2)
+def feed(steps={FED_STEPS}):
+    deadline = time.monotonic() + 60
+    while dash.figure._view_count < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)  # start once the browser shows the plot
+    for step in range(steps):
+        add_step(step)
+        dash.refresh()
+        time.sleep(0.05)
+    dash.refresh(force=True)
+feeder = threading.Thread(target=feed)
+feeder.start()
+display(dash.mimebundle(), raw=True)
+"""
+
+# like a blocking %%ranks cell: the runner's loop displays on the first metric and
+# refreshes every tick on the main thread, then puts the final bundle in place
+BLOCKING_CELL = """\
+feeder.join()
+dash2 = Dashboard(store, world_size=2, since=time.time())
+handle = None
+for tick in range(100):
+    add_step(1000 + tick)
+    if handle is None and dash2.has_data():
+        handle = display(dash2.mimebundle(), raw=True, display_id=True)
+    dash2.refresh()
+    time.sleep(0.1)
+dash2.refresh(force=True)
+handle.update(dash2.mimebundle(), raw=True)
+"""
+
+STATIC_CELL = """\
+from mpilab.widgets import StatusTable, bench_figure, figure_bundle
+rows = [{"op": "allreduce", "backend": b, "size_bytes": s, "time_s": s / (bw * 1e9),
+         "algbw_GBps": bw * s / (s + 65536), "busbw_GBps": bw * s / (s + 65536)}
+        for b, bw in (("mpi", 6.0), ("gloo", 2.0), ("mpilab", 9.0))
+        for s in (4 << 10, 64 << 10, 1 << 20, 4 << 20)]
+display(figure_bundle(bench_figure(rows, memcpy_gbps=12.0)), raw=True)
+# a run whose live view was never shown ends as a static plot (plotly mime renderer)
+display(Dashboard(store, world_size=2).mimebundle(final=True), raw=True)
+store.add({"k": "hb", "r": 0, "t": time.time(), "pid": 11, "host": "node1",
+           "phase": "collective", "op": "allreduce", "seq": 42, "op_age": 0.01,
+           "rss": 300 << 20, "step": 120, "dev_mem": 0, "cell": 3})
+StatusTable([{"rank": r, "host": "node1", "pid": 11 + r, "device": "cpu",
+              "backend": "gloo"} for r in range(2)], store)
+"""
+
+
+def test_dashboard_widget_renders_and_grows(page, lab):
+    name = lab.write_notebook("widget.ipynb",
+                              [SYNTHETIC_SETUP, NOBLOCK_CELL, BLOCKING_CELL, STATIC_CELL])
+    open_notebook(page, lab, name)
+    run_cell(page, 0)
+    wait_cell_done(page, 0)
+
+    # the kernel is idle while a thread feeds the widget (a --noblock cell)
+    run_cell(page, 1)
+    wait_for_plot(page, 1)
+    seen = watch_growth(page, 1, while_=lambda: not seen_final(page, 1, FED_STEPS))
+    assert len(seen) >= 2, f"the plot did not grow while fed: {seen}"
+    assert seen == sorted(seen)
+    wait_cell_done(page, 1)
+    lengths = trace_lengths(page, 1)[0]
+    # throughput x2 + total, 2 bars (2 ranks each), bandwidth x2, loss
+    assert lengths == [FED_STEPS] * 3 + [2, 2] + [FED_STEPS] * 3, lengths
+    screenshot(page, "widget_dashboard", 1)
+
+    # a blocking cell that refreshes on the main thread, as the runner does
+    run_cell(page, 2)
+    wait_for_plot(page, 2)
+    seen = watch_growth(page, 2, while_=lambda: is_running(page, 2))
+    assert len(seen) >= 2 and seen == sorted(seen), \
+        f"the plot did not grow while the cell was running: {seen}"
+    wait_cell_done(page, 2)
+    assert trace_lengths(page, 2)[0][0] == 100
+    ticks = page.evaluate("""() => document.querySelectorAll('.jp-Notebook .jp-Cell')[2]
+                               .querySelector('.js-plotly-plot')._fullLayout.xaxis2.ticktext""")
+    assert ticks == ["rank 0", "rank 1"]  # the final view names the ranks too
+    screenshot(page, "widget_dashboard_blocking", 2)
+
+    # the benchmark plot (plotly mime renderer) and the status table
+    run_cell(page, 3)
+    wait_cell_done(page, 3)
+    wait_for_plot(page, 3)
+    page.wait_for_function(
+        "() => document.querySelectorAll('.jp-Notebook .jp-Cell')[3]"
+        ".querySelectorAll('.js-plotly-plot').length == 2")
+    bench, static = trace_lengths(page, 3)
+    assert bench == [4] * 6
+    assert static == [FED_STEPS + 100] * 3 + [2, 2] + [FED_STEPS + 100] * 3, static
+    table = cell(page, 3).locator("table.mpilab-status")
+    table.wait_for()
+    assert table.locator("tbody tr").count() == 2
+    assert "allreduce #42" in table.inner_text()
+    screenshot(page, "widget_bench", 3, 0)
+    screenshot(page, "widget_static_dashboard", 3, 1)
+    screenshot(page, "widget_status", 3, 2)
+
+
+def seen_final(page, index: int, steps: int) -> bool:
+    lengths = trace_lengths(page, index)
+    return bool(lengths) and lengths[0][0] >= steps
+
