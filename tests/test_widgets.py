@@ -298,6 +298,17 @@ def test_bench_figure():
     assert not [s for s in bench_figure(bench_rows()).layout.shapes]
 
 
+def test_bench_lists_backends_that_could_not_run():
+    rows = bench_rows() + [{"op": "allreduce", "backend": "nccl", "size_bytes": None,
+                            "time_s": None, "algbw_GBps": None, "busbw_GBps": None,
+                            "note": "no GPU on this node"}]
+    fig = bench_figure(rows)
+    assert "nccl" not in {t.name for t in fig.data}
+    assert "nccl: no GPU on this node" in fig.layout.annotations[-1].text
+    lines = bench_table(rows).splitlines()
+    assert len(lines) == 1 + 6 + 1 and lines[-1] == "not measured: nccl: no GPU on this node"
+
+
 def test_bench_table():
     lines = bench_table(bench_rows()).splitlines()
     assert lines[0].split()[:3] == ["op", "backend", "size"]

@@ -21,9 +21,20 @@ def _backends(rows: list[dict]) -> list[str]:
     return list(dict.fromkeys(row["backend"] for row in rows))
 
 
+def _measured(rows: list[dict]) -> list[dict]:
+    """Rows with figures; a backend that cannot run here has one row with a `note` instead."""
+    return [row for row in rows if row.get("time_s") is not None]
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    return [f"{row['backend']}: {row['note']}" for row in rows if row.get("time_s") is None]
+
+
 def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figure:
     """algbw and busbw against message size (log x), one line per backend, memcpy as ceiling."""
     ops = sorted({row["op"] for row in rows})
+    notes = _notes(rows)
+    rows = _measured(rows)
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
                         subplot_titles=("algorithm bandwidth (algbw)", "bus bandwidth (busbw)"))
     for i, backend in enumerate(_backends(rows)):
@@ -48,6 +59,10 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
     fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
                      ticktext=[human_bytes(t) for t in ticks])
     fig.update_yaxes(title_text="GB/s", rangemode="tozero", row=1, col=1)
+    if notes:
+        fig.add_annotation(text="not measured: " + "; ".join(notes), showarrow=False,
+                           xref="paper", yref="paper", x=0, y=-0.22, xanchor="left",
+                           font={"color": "gray"})
     fig.update_layout(title={"text": f"{', '.join(ops) or 'collective'} bandwidth", "x": 0.01},
                       height=420, template="plotly_white",
                       margin={"t": 70, "b": 50, "l": 60, "r": 20})
@@ -55,7 +70,10 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
 
 
 def bench_table(rows: list[dict]) -> str:
-    """The measurements as an aligned text table, grouped by backend, sizes ascending."""
+    """The measurements as an aligned text table, grouped by backend, sizes ascending;
+    then one line per backend that could not run, with the reason."""
+    notes = _notes(rows)
+    rows = _measured(rows)
     header = ("op", "backend", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)")
     order = {b: i for i, b in enumerate(_backends(rows))}
     body = [
@@ -65,8 +83,9 @@ def bench_table(rows: list[dict]) -> str:
     ]
     widths = [max(len(cells[i]) for cells in [header, *body]) for i in range(len(header))]
     left = 2  # text columns are left-aligned, numbers right-aligned
-    return "\n".join(
+    lines = [
         "  ".join(c.ljust(w) if i < left else c.rjust(w)
                   for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         for cells in [header, *body]
-    )
+    ]
+    return "\n".join(lines + [f"not measured: {note}" for note in notes])
