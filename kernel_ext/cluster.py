@@ -93,6 +93,7 @@ class RankCluster:
     ranks: list[dict] = field(default_factory=list)
     engine_of_rank: dict[int, int] = field(default_factory=dict)
     store: MetricsStore | None = None
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
     _ipp_cluster: object = None
     _client: object = None
     _receiver: RecordReceiver | None = None
@@ -209,7 +210,7 @@ class RankCluster:
         """
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
         self._client = self._ipp_cluster = self._receiver = None
-        self.ranks, self.engine_of_rank = [], {}
+        self.ranks, self.engine_of_rank, self.dead = [], {}, {}
         launched = _launched_processes(cluster) if cluster is not None else []
         if fast:
             _kill_survivors(launched, grace=0.5)
@@ -236,6 +237,28 @@ class RankCluster:
     def restart(self) -> StartReport:
         self.stop()
         return self.start()
+
+    def mark_dead(self, dead: dict[int, str]) -> None:
+        """Remember dead ranks: status shows them, cells refuse to run until restart."""
+        self.dead.update(dead)
+
+    def check_usable(self) -> None:
+        if not self.running:
+            raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
+        if self.dead:
+            ranks = ", ".join(str(r) for r in sorted(self.dead))
+            raise ClusterError(f"rank {ranks} died ({next(iter(self.dead.values()))}): "
+                               "`%mpilab restart` brings back a full cluster")
+
+    def recover(self, timeout: float = 15.0) -> bool:
+        """After released ranks: every rank rebuilds mpilab's communicators together."""
+        from .rank.waiting import recover
+
+        try:
+            ar = self.client[list(self.engine_of_rank.values())].apply_async(recover)
+            return bool(ar.wait(timeout)) and ar.successful()
+        except Exception:  # noqa: BLE001 - a failed recovery means restart
+            return False
 
     def engine_pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]

@@ -54,6 +54,8 @@ class MpilabMagics(Magics):
     @argument("--controller-ip", default="127.0.0.1")
     @argument("--mpiexec", default=None, help="path to mpiexec")
     @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks")
+    @argument("--hang-timeout", type=float, default=None,
+              help="default seconds a collective may wait before ranks are released")
     def _start_args(self, line):
         """%mpilab start [-n N] [--gpus …] [--backend …] [--launcher …] …"""
 
@@ -63,6 +65,10 @@ class MpilabMagics(Magics):
                                launcher=args.launcher, hostfile=args.hostfile,
                                controller_ip=args.controller_ip, mpiexec=args.mpiexec,
                                timeout=args.timeout)
+        if args.hang_timeout is not None:
+            if args.hang_timeout <= 0:
+                raise UsageError("--hang-timeout must be a positive number of seconds")
+            self.session.hang_timeout = args.hang_timeout
         print(self.session.start(config).line())
 
     def _stop(self, rest: str):
@@ -139,20 +145,25 @@ class MpilabMagics(Magics):
     @argument("--noblock", action="store_true", help="return at once; output still lands here")
     @argument("--no-dashboard", action="store_true")
     @argument("--quiet", action="store_true", help="do not relay the ranks' output")
+    @argument("--hang-timeout", type=float, default=None,
+              help="seconds a collective may wait before the ranks are released")
     @cell_magic
     def ranks(self, line: str, cell: str):
         """Run this cell on the ranks: %%ranks [all|0|0,2|1-3] [--timeout S] [--noblock] …"""
         args = _parse(self.ranks, line)
-        if not self.session.cluster.running:
-            raise UsageError("no ranks are running: start them with `%mpilab start -n N`")
         try:
+            self.session.cluster.check_usable()
             parse_ranks(args.spec, self.session.cluster.world_size)
-        except ValueError as e:
+        except (ClusterError, ValueError) as e:
             raise UsageError(str(e)) from None
-        if args.timeout is not None and args.timeout <= 0:
-            raise UsageError("--timeout must be a positive number of seconds")
+        for name in ("timeout", "hang_timeout"):
+            value = getattr(args, name)
+            if value is not None and value <= 0:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} must be a positive number of seconds")
         options = RunOptions(spec=args.spec, timeout=args.timeout, block=not args.noblock,
-                             dashboard=not args.no_dashboard, quiet=args.quiet)
+                             dashboard=not args.no_dashboard, quiet=args.quiet,
+                             hang_timeout=args.hang_timeout or self.session.hang_timeout)
         self.session.run_cell(cell, options)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .cluster import ClusterError, RankCluster
+from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog
 
 TICK_S = 0.1  # relay cadence: output reaches the notebook within ~0.1 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
@@ -177,6 +178,7 @@ class RunOptions:
     dashboard: bool = True
     quiet: bool = False
     output_cap: int = DEFAULT_OUTPUT_CAP
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
 
 
 @dataclass
@@ -188,6 +190,10 @@ class CellOutcome:
     errors: dict[int, str] = field(default_factory=dict)  # rank -> clean traceback
     interrupted: bool = False
     timed_out: bool = False
+    notes: list[str] = field(default_factory=list)  # the watchdog's explanation
+    released: list[int] = field(default_factory=list)  # ranks it interrupted
+    dead: dict[int, str] = field(default_factory=dict)
+    restarted: bool = False
 
 
 def _default_write(stream: str, text: str) -> None:
@@ -208,11 +214,14 @@ class CellRunner:
 
     def run(self, code: str, options: RunOptions | None = None) -> CellOutcome | None:
         options = options or RunOptions()
-        if not self.cluster.running:
-            raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
+        self.cluster.check_usable()
         ranks = parse_ranks(options.spec, self.cluster.world_size)
         engines = [self.cluster.engine_of_rank[r] for r in ranks]
-        ar = self.cluster.client[engines].execute(code, silent=False, block=False)
+        try:
+            ar = self.cluster.client[engines].execute(code, silent=False, block=False)
+        except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
+            raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
+                               "brings back a full cluster") from None
         outcome = CellOutcome(ranks=ranks)
         if options.block:
             self._relay(ar, ranks, options, outcome)
@@ -265,16 +274,22 @@ class CellRunner:
             if self.on_tick is not None:
                 self.on_tick(now, outcome)
 
+        singles = dict(zip(ranks, ar.split()))
+        watchdog = Watchdog(self.cluster, ranks, options.hang_timeout)
         try:
             while not ar.wait(TICK_S):
                 pump()
+                verdict = watchdog.check(time.time(), _finished(singles))
+                if verdict is not None:
+                    self._contain(ar, verdict, relay, outcome)
+                    break
                 if deadline is not None and time.monotonic() > deadline:
                     outcome.timed_out = True
-                    self._interrupt(ar, engines_of(self.cluster, ranks))
+                    self._release(ar, ranks, outcome)
                     break
         except KeyboardInterrupt:
             outcome.interrupted = True
-            self._interrupt(ar, engines_of(self.cluster, ranks))
+            self._release(ar, ranks, outcome)
         if ar.ready():
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
@@ -282,15 +297,57 @@ class CellRunner:
         note = relay.cap_note()
         if note:
             self.write("stderr", note + "\n")
+        if not outcome.dead and _engines_died(singles):
+            # ipyparallel noticed first; the watchdog names the dead and how they died
+            time.sleep(0.5)
+            verdict = watchdog.check(time.time(), {})
+            if verdict is not None and verdict.dead:
+                self._contain(ar, verdict, relay, outcome)
+        if outcome.dead:
+            for r in sorted(outcome.dead):
+                tail = relay.last_lines.get(r, [])[-5:]
+                if tail:
+                    outcome.notes.append(f"last lines from rank {r}:")
+                    outcome.notes.extend(f"  {line}" for line in tail)
+            return
         self._collect(ar, ranks, outcome)
 
-    def _interrupt(self, ar, engines: list[int]) -> None:
-        """SIGINT every rank of the cell (through the engines' control channel)."""
+    def _contain(self, ar, verdict: Verdict, relay: OutputRelay, outcome: CellOutcome) -> None:
+        """Act on the watchdog's verdict: release waiting ranks, or report dead ones."""
+        outcome.notes.extend(verdict.lines)
+        if verdict.dead:
+            outcome.dead = verdict.dead
+            self.cluster.mark_dead(verdict.dead)
+            outcome.notes.append(
+                f"the cluster is down: `%mpilab restart` brings back {self.cluster.world_size}"
+                " ranks (their state was lost)")
+            return
+        outcome.released = verdict.release
+        self._release(ar, verdict.release, outcome)
+
+    def _release(self, ar, ranks: list[int], outcome: CellOutcome) -> None:
+        """Interrupt `ranks` (SIGINT: KeyboardInterrupt and an abort of every wait), then
+        bring mpilab's communicators back in step on all ranks; restart when a rank sits
+        in a call that cannot be interrupted."""
+        engines = engines_of(self.cluster, ranks)
         try:
             self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
         except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported below
             pass
-        ar.wait(INTERRUPT_GRACE_S)
+        if ar.wait(INTERRUPT_GRACE_S) and self.cluster.recover():
+            return
+        stuck = [r for r, single in zip(outcome.ranks, ar.split()) if not single.ready()]
+        from .watchdog import describe, last_checkpoint
+
+        heartbeats = self.cluster.store.heartbeats if self.cluster.store else {}
+        for r in stuck:
+            outcome.notes.append(
+                f"{describe(r, heartbeats.get(r))}: it did not answer the interrupt "
+                "(a blocking MPI or torch.distributed call, which mpilab cannot interrupt)")
+        checkpoint = last_checkpoint(self.cluster.store)
+        outcome.notes.append(f"restarted the ranks: their state was lost; {checkpoint}")
+        outcome.restarted = True
+        self.cluster.restart()
 
     def _collect(self, ar, ranks: list[int], outcome: CellOutcome) -> None:
         for r, single in zip(ranks, ar.split()):
@@ -312,22 +369,24 @@ class CellRunner:
             label = f"Out[{rank_label(ranks)}]: " if multi else ""
             data["text/plain"] = label + data.get("text/plain", "")
             _display_bundle(data)
-        if not outcome.errors:
+        if not outcome.errors and not outcome.notes:
             return
         lines = []
         if outcome.timed_out:
             lines.append(f"mpilab: the cell did not finish within {options.timeout:g} s; "
                          "its ranks were interrupted")
-        for ranks in _group(outcome.errors):
-            text = outcome.errors[ranks[0]]
+        errors = {r: e for r, e in outcome.errors.items() if r not in outcome.released}
+        for ranks in _group(errors):
+            text = errors[ranks[0]]
             if text == "still running":
-                lines.append(f"[{rank_label(ranks)}] still running after the interrupt: "
-                             "`%mpilab restart` brings back a clean cluster")
-            elif _is_interrupt(text):
+                continue  # explained by the notes
+            if _is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1]:
                 lines.extend(f"[rank {r}] interrupted" for r in ranks)
             else:
                 lines.append(f"[{rank_label(ranks)}] failed:" if multi else "")
                 lines.append(text)
+        lines.extend(f"mpilab: {note}" if not note.startswith(" ") else note
+                     for note in outcome.notes)
         raise RanksError("\n".join(line for line in lines if line))
 
     def wait_background(self, timeout: float | None = None) -> None:
@@ -338,6 +397,25 @@ class CellRunner:
 
 def engines_of(cluster: RankCluster, ranks: list[int]) -> list[int]:
     return [cluster.engine_of_rank[r] for r in ranks]
+
+
+def _engines_died(singles: dict) -> bool:
+    for single in singles.values():
+        if single.ready() and not single.successful():
+            error = single.get(return_exceptions=True)
+            error = error[0] if isinstance(error, list) else error
+            if type(error).__name__ == "EngineError":
+                return True
+    return False
+
+
+def _finished(singles: dict) -> dict[int, str]:
+    """rank -> 'ok' | 'error' for the ranks whose part of the cell has ended."""
+    done = {}
+    for r, single in singles.items():
+        if single.ready():
+            done[r] = "ok" if single.successful() else "error"
+    return done
 
 
 def _error_text(error) -> str:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
 from .runner import CellRunner, RunOptions, parse_ranks
+from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
 
@@ -21,6 +22,7 @@ class Session:
         self.runner = CellRunner(self.cluster)
         self._auto_transformer = None
         self._started_once = False
+        self.hang_timeout = DEFAULT_HANG_TIMEOUT_S
 
     @classmethod
     def instance(cls) -> Session:

@@ -9,8 +9,10 @@ thread-safe). Without a notebook (a batch job), records are simply not sent.
 from __future__ import annotations
 
 import collections
+import linecache
 import os
 import socket
+import sys
 import threading
 import time
 from contextlib import contextmanager
@@ -82,6 +84,7 @@ class Agent:
             "cell": st.cell,
             "rss": _rss_bytes(),
             "dev_mem": int(self.device_memory()),
+            "where": user_frame() if st.phase != "idle" else "",
         }
 
     @contextmanager
@@ -149,6 +152,28 @@ class Agent:
                 self._wake.clear()
         finally:
             sock.close()
+
+
+_MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LIBRARY_PARTS = ("site-packages", "/lib/python3", "<frozen", _MPILAB_DIR)
+
+
+def user_frame() -> str:
+    """The innermost line of user code the main thread is running: for hang reports.
+
+    Blocking MPI and gloo calls release the GIL, so this works while the main thread
+    sits in one of them.
+    """
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not any(part in filename for part in _LIBRARY_PARTS):
+            line = linecache.getline(filename, frame.f_lineno).strip()
+            label = "cell" if "ipykernel_" in filename or filename.startswith("<") else \
+                os.path.basename(filename)
+            return f"{label} line {frame.f_lineno}: {line}"[:200]
+        frame = frame.f_back
+    return ""
 
 
 def _rss_bytes() -> int:

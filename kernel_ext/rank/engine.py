@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import linecache
 import os
+import signal
 import threading
 import traceback
 
@@ -45,6 +46,9 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     def pre_run(info=None):
         state.cell += 1
         state.phase = "running"
+        # ipykernel installs its own SIGINT handler for each cell; ours also aborts the
+        # waits of every thread (a DataParallel comm thread must stop waiting too)
+        signal.signal(signal.SIGINT, _interrupt)
 
     def post_run(result=None):
         state.phase = "idle"
@@ -54,7 +58,19 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     return ctx.summary()
 
 
+def _interrupt(signum, frame):
+    from .waiting import abort
+
+    abort("the cell was interrupted")
+    raise KeyboardInterrupt
+
+
+_MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _is_hidden(filename: str) -> bool:
+    if filename.startswith(_MPILAB_DIR):
+        return True
     parts = filename.replace("\\", "/").split("/")
     return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
 
@@ -84,6 +100,3 @@ def _clean_traceback(shell, etype, value, tb, tb_offset=None):
     shell._showtraceback(etype, value, stb)
     return stb
 
-
-def rank_pid() -> int:
-    return os.getpid()

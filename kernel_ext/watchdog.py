@@ -1,0 +1,165 @@
+"""Failure containment and hang diagnosis while a cell runs on the ranks.
+
+Reads the ranks' heartbeats (phase, collective op and sequence number, where the main
+thread is) from the metrics store and the per-rank completion of the cell, and decides
+when waiting ranks must be released: a peer failed, a collective hangs past the hang
+timeout, ranks disagree about the collective they are in, or a rank died.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+from dataclasses import dataclass, field
+
+import psutil
+
+DEFAULT_HANG_TIMEOUT_S = 30.0
+PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
+DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
+
+
+@dataclass
+class Verdict:
+    """Why the watchdog ends the cell, and which ranks to release."""
+
+    kind: str  # peer-failed | hang | mismatch | dead
+    lines: list[str]
+    release: list[int] = field(default_factory=list)
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+
+
+def describe(rank: int, hb: dict | None) -> str:
+    """'rank 0 was waiting in allreduce #57 for 8.2 s' from a heartbeat."""
+    if hb is None:
+        return f"rank {rank} had sent no heartbeat"
+    if hb.get("phase") == "collective":
+        shape = f" ({hb['op_shape']})" if hb.get("op_shape") else ""
+        return (f"rank {rank} was waiting in {hb['op']} #{hb['seq']}{shape} "
+                f"for {_age(hb):.1f} s")
+    where = hb.get("where")
+    if where:
+        return f"rank {rank} was at {where}"
+    return f"rank {rank} was {hb.get('phase', 'running')}"
+
+
+def _age(hb: dict) -> float:
+    """How long the rank has been in its current collective, as of now."""
+    return hb.get("op_age", 0.0) + max(0.0, time.time() - hb.get("t", time.time()))
+
+
+def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
+    """Ranks at the same collective number doing different things (op or size)."""
+    by_seq: dict[int, list[tuple[int, dict]]] = {}
+    for rank, hb in heartbeats.items():
+        if hb.get("phase") == "collective":
+            by_seq.setdefault(hb["seq"], []).append((rank, hb))
+    for seq, members in sorted(by_seq.items()):
+        kinds = {(hb["op"], hb.get("op_nbytes", 0)) for _, hb in members}
+        if len(kinds) > 1:
+            parts = [f"rank {r} in {hb['op']} #{seq} ({hb.get('op_nbytes', 0):,} bytes)"
+                     for r, hb in members]
+            return "mismatched collectives: " + ", ".join(parts)
+    return None
+
+
+_BAD_TERMINATION = re.compile(
+    r"PID (?P<pid>\d+) RUNNING AT (?P<host>\S+)\s*\n=\s*EXIT CODE: (?P<code>\d+)", re.M)
+_EXIT_STRING = re.compile(r"EXIT STRING: (?P<what>.+?) \(signal (?P<sig>\d+)\)")
+
+
+def death_cause(pid: int, launcher_output: str) -> str:
+    """'killed by signal 9' / 'exited with code 3' from mpiexec's report, if it has one."""
+    for m in _BAD_TERMINATION.finditer(launcher_output):
+        if int(m.group("pid")) != pid:
+            continue
+        sig = _EXIT_STRING.search(launcher_output[m.end():])
+        if sig:
+            return f"killed by signal {sig.group('sig')} ({sig.group('what')})"
+        return f"exited with code {m.group('code')}"
+    return "its process is gone"
+
+
+class Watchdog:
+    """One per running cell; `check()` is called on every relay tick."""
+
+    def __init__(self, cluster, ranks: list[int], hang_timeout: float):
+        self.cluster = cluster
+        self.ranks = ranks
+        self.hang_timeout = hang_timeout
+        self.first_failure: float | None = None
+        self.local_host = socket.gethostname()
+        self._procs = {}
+        for info in cluster.ranks:
+            if info["rank"] in ranks and info["host"] == self.local_host:
+                try:
+                    self._procs[info["rank"]] = psutil.Process(info["pid"])
+                except psutil.Error:
+                    pass
+
+    def dead_ranks(self) -> dict[int, str]:
+        dead = {}
+        output = None
+        for rank, proc in self._procs.items():
+            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                continue
+            if output is None:
+                output = self.cluster.engine_output(lines=200)
+            dead[rank] = death_cause(proc.pid, output)
+        ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
+        for rank in self.ranks:
+            if rank not in self._procs and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
+                dead[rank] = f"no heartbeat for {ages[rank]:.0f} s"
+        return dead
+
+    def check(self, now: float, finished: dict[int, str]) -> Verdict | None:
+        """finished: rank -> 'ok' | 'error' for the ranks whose cell has ended."""
+        dead = self.dead_ranks()
+        if dead:
+            info = {i["rank"]: i for i in self.cluster.ranks}
+            lines = [f"rank {r} (pid {info[r]['pid']} on {info[r]['host']}) died: {cause}"
+                     for r, cause in sorted(dead.items())]
+            return Verdict("dead", lines, dead=dead)
+        running = [r for r in self.ranks if r not in finished]
+        if not running:
+            return None
+        heartbeats = dict(self.cluster.store.heartbeats) if self.cluster.store else {}
+        waiting = {r: heartbeats.get(r) for r in running}
+        mismatch = find_mismatch({r: hb for r, hb in waiting.items() if hb})
+        if mismatch and len(running) == len(self.ranks):
+            return Verdict("mismatch", [mismatch], release=running)
+        failed = [r for r, how in finished.items() if how == "error"]
+        if failed:
+            if self.first_failure is None:
+                self.first_failure = now
+            in_collective = all(hb and hb.get("phase") == "collective" for hb in waiting.values())
+            if in_collective or now - self.first_failure > PEER_FAILED_GRACE_S:
+                who = ", ".join(str(r) for r in failed)
+                lines = [f"{describe(r, hb)} when rank {who} failed"
+                         for r, hb in waiting.items()]
+                return Verdict("peer-failed", lines, release=running)
+            return None
+        stuck = {r: hb for r, hb in waiting.items()
+                 if hb and hb.get("phase") == "collective" and _age(hb) > self.hang_timeout}
+        if stuck:
+            progress = ", ".join(
+                f"rank {r} at collective #{hb['seq'] if hb else '?'}"
+                + (" (cell finished)" if r in finished else "")
+                for r, hb in sorted(heartbeats.items()) if r in self.ranks)
+            lines = [f"hang: {describe(r, hb)}" for r, hb in sorted(stuck.items())]
+            lines.append(f"progress: {progress}")
+            return Verdict("hang", lines, release=running)
+        return None
+
+
+def last_checkpoint(store) -> str:
+    """The newest checkpoint the ranks reported saving, for the restart message."""
+    if store is None:
+        return "no checkpoint was saved"
+    saved = [e for e in store.records("event") if e.get("what") == "checkpoint"]
+    if not saved:
+        return "no checkpoint was saved"
+    last = saved[-1]
+    when = time.strftime("%H:%M:%S", time.localtime(last["t"]))
+    return f"the last checkpoint saved was {last.get('path', '?')} at {when}"
