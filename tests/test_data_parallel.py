@@ -98,6 +98,12 @@ for backend in ("mpi", "torch", "mpi-inline"):
             "forward_same": torch.equal(dp(X[:3]), model(X[:3])),
         }
 
+# a model trained in bfloat16 (MPI has no bfloat16 type) keeps the ranks identical
+model = make().to(torch.bfloat16)
+dp = mpilab.DataParallel(model)
+train(dp, lambda k: (mine(k)[0].to(torch.bfloat16), mine(k)[1]))
+out["bf16_params"] = [p.float().sum().item() for p in model.parameters()]
+
 # an unused parameter (no hook fires for it) must not hang the MPI backend
 model = make(extra=True)
 dp = mpilab.DataParallel(model, bucket_mb=0.002)
@@ -155,6 +161,10 @@ def test_one_step_record_per_optimizer_step(trained: list, backend: str) -> None
 def test_wrapped_model_looks_like_the_plain_one(trained: list, backend: str) -> None:
     got = trained[1][f"{backend}-plain"]
     assert got["keys_plain"] and got["forward_same"]
+
+
+def test_bfloat16_model_over_mpi(trained: list) -> None:
+    assert trained[0]["bf16_params"] == trained[1]["bf16_params"]
 
 
 def test_unused_parameters_do_not_hang(trained: list) -> None:

@@ -107,7 +107,6 @@ class _Bucket:
     wire: torch.Tensor  # what is reduced: `flat`, or its half-precision copy
     host: torch.Tensor  # `wire` itself on CPU; a pinned host copy of it on GPU
     world_size: int
-    compression: str | None
     ready: list[bool] = field(default_factory=list)
     n_ready: int = 0
     copied: Any = None  # CUDA event: the device-to-host copy is done
@@ -169,7 +168,7 @@ class _CommThread:
         bucket.done.set()
 
     def _reduce(self, bucket: _Bucket) -> None:
-        if bucket.compression == "bf16":
+        if bucket.host.dtype == torch.bfloat16:
             # MPI has no bfloat16 type: gather the 16-bit words (same bytes on the wire
             # as a 2-rank allreduce) and sum in float32, in rank order on every rank.
             recv = torch.empty((bucket.world_size, bucket.host.numel()), dtype=torch.bfloat16)
@@ -221,7 +220,7 @@ class _MPIGradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
         bucket, i = self.where[p]
         if bucket.ready[i]:
-            return  # a second backward through the same graph before the sync
+            return  # AccumulateGrad runs once per backward; never divide a gradient twice
         slot = bucket.slots[i]
         with torch.no_grad():  # average as we pack: one pass over the gradient, not two
             if p.grad.data_ptr() != slot.data_ptr():
@@ -311,8 +310,7 @@ def _make_buckets(params: list[nn.Parameter], cfg: DataParallelConfig,
         wire_dtype = _WIRE_DTYPE.get(cfg.compression, dtype) if dtype.is_floating_point else dtype
         wire = flat if wire_dtype == dtype else torch.zeros_like(flat, dtype=wire_dtype)
         host = wire if device.type == "cpu" else torch.zeros_like(wire, device="cpu").pin_memory()
-        buckets.append(_Bucket(index, group, slots, flat, wire, host, world_size,
-                               cfg.compression if wire is not flat else None))
+        buckets.append(_Bucket(index, group, slots, flat, wire, host, world_size))
     return buckets
 
 
