@@ -208,10 +208,13 @@ def watch_growth(page, index: int, while_=lambda: True, timeout_s: float = 60) -
     return seen
 
 
-def screenshot(page, name: str, index: int, output: int = 0) -> Path:
+def screenshot(page, name: str, index: int, output: int = 0, plots_only: bool = False) -> Path:
     """One output of a cell, scrolled into view (JupyterLab scrolls inside its panel)."""
     path = BUILD / f"{name}.png"
-    target = cell(page, index).locator(".jp-OutputArea-output").nth(output)
+    outputs = cell(page, index).locator(".jp-OutputArea-output")
+    if plots_only:
+        outputs = outputs.filter(has=page.locator(".js-plotly-plot"))
+    target = outputs.nth(output)
     target.scroll_into_view_if_needed()
     target.screenshot(path=str(path))
     return path
@@ -342,3 +345,57 @@ def seen_final(page, index: int, steps: int) -> bool:
     lengths = trace_lengths(page, index)
     return bool(lengths) and lengths[0][0] >= steps
 
+
+
+# -- the whole path: ranks, a training cell, the benchmark ------------------------------------
+TRAIN_CELL = """\
+%%ranks
+import time, torch
+torch.manual_seed(0)
+model = mpilab.DataParallel(torch.nn.Sequential(
+    torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+g = torch.Generator().manual_seed(rank)
+for step in range(60):
+    x = torch.randn(64, 64, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), 2 * x[:, :1])
+    opt.zero_grad(); loss.backward(); opt.step()
+    mpilab.log(loss=loss.item())
+    time.sleep(0.1 + 0.1 * rank)  # ~10 s, and rank 1 is the straggler
+print("trained", step + 1, "steps")
+"""
+
+
+def test_training_dashboard_and_bench_on_two_ranks(page, lab):
+    name = lab.write_notebook("cluster.ipynb", [
+        "%load_ext mpilab\n%mpilab start -n 2",
+        TRAIN_CELL,
+        "%mpilab bench allreduce --sizes 4K:1M",
+        "%mpilab stop",
+    ])
+    open_notebook(page, lab, name)
+    run_cell(page, 0)
+    wait_cell_done(page, 0, timeout_s=120)
+    assert "2 ranks" in cell(page, 0).locator(".jp-OutputArea").inner_text()
+
+    run_cell(page, 1)
+    wait_for_plot(page, 1, timeout_s=60)
+    assert is_running(page, 1), "the dashboard must appear while the cell runs"
+    seen = watch_growth(page, 1, while_=lambda: is_running(page, 1), timeout_s=120)
+    assert len(seen) >= 2 and seen == sorted(seen), \
+        f"the dashboard did not grow while the cell was running: {seen}"
+    wait_cell_done(page, 1)
+    assert "trained 60 steps" in cell(page, 1).locator(".jp-OutputArea").inner_text()
+    lengths = trace_lengths(page, 1)[0]
+    assert lengths[0] == lengths[1] == 60, lengths  # every step of both ranks is drawn
+    screenshot(page, "cluster_dashboard", 1, plots_only=True)
+
+    run_cell(page, 2)
+    wait_cell_done(page, 2, timeout_s=120)
+    wait_for_plot(page, 2)
+    bench = trace_lengths(page, 2)[0]
+    assert bench and all(n == 9 for n in bench), bench  # 4K, 8K, ... 1M
+    screenshot(page, "cluster_bench", 2, plots_only=True)
+
+    run_cell(page, 3)
+    wait_cell_done(page, 3, timeout_s=60)

@@ -362,3 +362,37 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def test_executed_notebook_and_its_html_keep_a_static_plot(tmp_path):
+    """nbclient has no widget frontend: the runner's final update_display must leave a
+    plot that nbconvert's HTML shows (not a widget view that needs a live kernel)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    code = textwrap.dedent("""
+        import time
+        from mpilab.channel import MetricsStore
+        from mpilab.widgets import Dashboard
+        store = MetricsStore(world_size=2)
+        dash = Dashboard(store, world_size=2)
+        handle = None
+        for step in range(20):
+            for r in range(2):
+                store.add({"k": "step", "r": r, "t": time.time(), "step": step, "dur": 0.1,
+                           "compute": 0.08, "comm": 0.03, "nbytes": 1000, "samples": 8})
+            if handle is None and dash.has_data():
+                handle = display(dash.mimebundle(), raw=True, display_id=True)
+            dash.refresh()
+        dash.refresh(force=True)
+        handle.update(dash.mimebundle(final=True), raw=True)
+    """)
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(code)]
+    NotebookClient(nb, timeout=120, kernel_name="python3", store_widget_state=False).execute()
+    (output,) = nb.cells[0].outputs
+    assert WIDGET_VIEW_MIME not in output["data"]
+    assert output["data"]["text/plain"].startswith("mpilab dashboard: 2 ranks, step 19")
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert "cdn.plot.ly" in html and "Plotly.newPlot" in html
