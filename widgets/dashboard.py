@@ -57,6 +57,7 @@ class Dashboard:
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
         self._has_data = False
+        self._checked_version = -1
         self._scalar_traces: dict[str, int] = {}
         self.figure = go.FigureWidget(self._base_figure())
 
@@ -84,7 +85,9 @@ class Dashboard:
 
     def has_data(self) -> bool:
         """True once the run has sent any step or log record (then the runner displays it)."""
-        if not self._has_data:
+        version = self.store.version
+        if not self._has_data and version != self._checked_version:  # called every tick
+            self._checked_version = version
             self._has_data = any(self.store.records(kind, since=self.since)
                                  for kind in ("step", "log"))
         return self._has_data
