@@ -3,8 +3,10 @@
     .venv/bin/python benchmarks/bench_allreduce.py [--sizes 4K:64M] [--repeats 20] [-n 2]
 
 Run plainly, it relaunches itself under the venv's mpiexec; under mpiexec it measures.
-Every figure is bus bandwidth (nccl-tests), the median of `repeats` timings of the
-slowest rank, beside the single-core memory-copy bandwidth measured in the same run:
+Every figure is bus bandwidth (nccl-tests) from the median of `repeats` timings of the
+slowest rank (a second table: from the fastest repeat, what each backend does when the
+node's other tenants leave it alone), beside the single-core memory-copy bandwidth
+measured in the same run:
 per size (cache-resident below the L3 size), and of the node (a buffer far larger than
 any cache: DRAM). Targets (the issue): mpilab ≥ the better of the other two at every
 size; at ≥ 1 MiB, mpilab ≥ 60% of the node's memory-copy bandwidth.
@@ -55,10 +57,23 @@ def main() -> int:
     if ctx.rank != 0:
         return 0
 
-    bw = {(r["backend"], r["size_bytes"]): r["busbw_GBps"] for r in rows}
-    print(f"allreduce float32 sum on {ctx.world_size} ranks, bus bandwidth GB/s "
-          f"(median of {args.repeats}); node memcpy (single core, "
-          f"{NODE_MEMCPY_BYTES // MIB} MiB) = {node_memcpy:.2f} GB/s")
+    print(f"allreduce float32 sum on {ctx.world_size} ranks, bus bandwidth GB/s; node memcpy "
+          f"(single core, {NODE_MEMCPY_BYTES // MIB} MiB) = {node_memcpy:.2f} GB/s")
+    met = _table(rows, sizes, memcpy, node_memcpy, f"median of {args.repeats}", "time_s")
+    _table(rows, sizes, memcpy, node_memcpy, "fastest repeat (undisturbed)", "time_min_s")
+    print("all targets met (median)" if met else "some targets missed (median)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"rows": rows, "memcpy_GBps": {str(k): v for k, v in memcpy.items()},
+             "node_memcpy_GBps": node_memcpy}, indent=1))
+    return 0
+
+
+def _table(rows, sizes, memcpy, node_memcpy, title: str, key: str) -> bool:
+    """Print one table of bus bandwidths from `key` times; True when every target is met."""
+    bw = {(r["backend"], r["size_bytes"]): r["busbw_GBps"] * r["time_s"] / r[key]
+          for r in rows}
+    print(f"\n{title}")
     print(f"{'size':>8} {'mpilab':>8} {'mpi4py':>8} {'gloo':>8} {'memcpy':>8} "
           f"{'≥ best':>7} {'≥ 60% node memcpy':>18}")
     met_all = True
@@ -71,12 +86,7 @@ def main() -> int:
         met_all &= beat and ceiling[:2] != "no"
         print(f"{_fmt(size):>8} {ours:8.2f} {mpi:8.2f} {gloo:8.2f} {memcpy[s]:8.2f} "
               f"{'yes' if beat else 'no':>7} {ceiling:>18}")
-    print("all targets met" if met_all else "some targets missed")
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"rows": rows, "memcpy_GBps": {str(k): v for k, v in memcpy.items()},
-             "node_memcpy_GBps": node_memcpy}, indent=1))
-    return 0
+    return met_all
 
 
 def _fmt(n: int) -> str:

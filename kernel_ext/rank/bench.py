@@ -76,7 +76,9 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
 
     Returns plain rows on rank 0 (an empty list elsewhere):
     {op, backend, size_bytes, time_s (median over repeats of the slowest rank), algbw_GBps,
-    busbw_GBps}; a backend that cannot run here gives one row with a `note` and None figures.
+    busbw_GBps, time_min_s (the fastest repeat: what the backend does undisturbed on a
+    shared, noisy node)}; a backend that cannot run here gives one row with a `note` and
+    None figures.
     """
     from mpi4py import MPI
 
@@ -116,7 +118,8 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
             t = float(np.median(slowest))
             algbw = nbytes / t / 1e9
             measured[(b, size)] = {"op": op, "backend": b, "size_bytes": nbytes, "time_s": t,
-                                   "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n)}
+                                   "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n),
+                                   "time_min_s": float(slowest.min())}
     rows += [measured[(b, size)] for b in running for size in sizes]
     return rows if ctx.rank == 0 else []
 
