@@ -192,7 +192,7 @@ def wait_for_plot(page, index: int, timeout_s: float = 60) -> None:
         timeout=timeout_s * 1000)
 
 
-def watch_growth(page, index: int, while_=lambda: True, timeout_s: float = 60) -> list[int]:
+def watch_growth(page, index: int, while_, timeout_s: float = 60) -> list[int]:
     """Total points in the cell's first plot, sampled until `while_()` turns false."""
     seen = []
     deadline = time.monotonic() + timeout_s

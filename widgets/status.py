@@ -37,6 +37,8 @@ def status_rows(rank_info: list[dict], store) -> list[dict[str, str]]:
             row["heartbeat"] = f"{age:.1f} s ago"
             if age > STALE_AFTER_S:
                 row["state"] = f"dead? (silent {age:.0f} s)"
+        if info.get("dead"):
+            row["state"] = f"dead: {info['dead']}"
         rows.append(row)
     return rows
 
