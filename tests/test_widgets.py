@@ -268,6 +268,8 @@ def test_status_marks_silent_ranks_dead():
     assert "dead? (silent 30 s)" in status_text(RANK_INFO, store).splitlines()[1]
     table = StatusTable(RANK_INFO, store)
     assert "dead?" in table.widget.value and "#fde0dc" in table.widget.value
+    info = [dict(RANK_INFO[0], dead="exit code 9")]
+    assert "dead: exit code 9" in status_text(info, store).splitlines()[1]
 
 
 # -- bench -------------------------------------------------------------------------------

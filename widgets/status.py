@@ -14,7 +14,11 @@ COLUMNS = ("rank", "host", "pid", "device", "state", "RSS", "device mem", "heart
 
 
 def status_rows(rank_info: list[dict], store) -> list[dict[str, str]]:
-    """The table as strings, one dict per rank, for both the widget and the text form."""
+    """The table as strings, one dict per rank, for both the widget and the text form.
+
+    rank_info: the cluster's dicts (rank, host, pid, device, backend; `dead`, a reason,
+    once the watchdog declared the rank dead).
+    """
     ages = store.heartbeat_ages()
     beats = dict(store.heartbeats)
     rows = []
@@ -37,7 +41,7 @@ def status_rows(rank_info: list[dict], store) -> list[dict[str, str]]:
             row["heartbeat"] = f"{age:.1f} s ago"
             if age > STALE_AFTER_S:
                 row["state"] = f"dead? (silent {age:.0f} s)"
-        if info.get("dead"):
+        if info.get("dead"):  # the watchdog's verdict, with how the rank died
             row["state"] = f"dead: {info['dead']}"
         rows.append(row)
     return rows
