@@ -80,8 +80,9 @@ _last: tuple[object, Plan] | None = None
 def plan_for(comm) -> Plan:
     """The cached plan of `comm`; the first call is collective on `comm`."""
     global _keyval, _last
-    if _last is not None and _last[0] is comm:
-        return _last[1]
+    last = _last  # one read: another thread may replace it meanwhile
+    if last is not None and last[0] is comm:
+        return last[1]
     from mpi4py import MPI
 
     if _keyval is None:
