@@ -39,6 +39,7 @@ Rules for callers:
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,6 +76,7 @@ class Plan:
 _keyval: int | None = None
 # The last (communicator object, plan): Get_attr costs ~3 µs, this check 0.05 µs.
 _last: tuple[object, Plan] | None = None
+_plan_lock = threading.Lock()
 
 
 def plan_for(comm) -> Plan:
@@ -85,13 +87,14 @@ def plan_for(comm) -> Plan:
         return last[1]
     from mpi4py import MPI
 
-    if _keyval is None:
-        _keyval = MPI.Comm.Create_keyval(delete_fn=_forget)
-    plan = comm.Get_attr(_keyval)
-    if plan is None:
-        plan = _make_plan(comm)
-        comm.Set_attr(_keyval, plan)
-    _last = (comm, plan)
+    with _plan_lock:
+        if _keyval is None:
+            _keyval = MPI.Comm.Create_keyval(delete_fn=_forget)
+        plan = comm.Get_attr(_keyval)
+        if plan is None:
+            plan = _make_plan(comm)
+            comm.Set_attr(_keyval, plan)
+        _last = (comm, plan)
     return plan
 
 
