@@ -76,7 +76,7 @@ class Plan:
 _keyval: int | None = None
 # The last (communicator object, plan): Get_attr costs ~3 µs, this check 0.05 µs.
 _last: tuple[object, Plan] | None = None
-_plan_lock = threading.Lock()
+_keyval_lock = threading.Lock()
 
 
 def plan_for(comm) -> Plan:
@@ -87,14 +87,14 @@ def plan_for(comm) -> Plan:
         return last[1]
     from mpi4py import MPI
 
-    with _plan_lock:
-        if _keyval is None:
+    with _keyval_lock:  # not held while planning: that is collective, and a thread
+        if _keyval is None:  # waiting on other ranks must not block another comm's plan
             _keyval = MPI.Comm.Create_keyval(delete_fn=_forget)
-        plan = comm.Get_attr(_keyval)
-        if plan is None:
-            plan = _make_plan(comm)
-            comm.Set_attr(_keyval, plan)
-        _last = (comm, plan)
+    plan = comm.Get_attr(_keyval)
+    if plan is None:
+        plan = _make_plan(comm)
+        comm.Set_attr(_keyval, plan)
+    _last = (comm, plan)
     return plan
 
 
