@@ -76,8 +76,16 @@ except ValueError as e:
 empty = np.zeros(0, np.float32)
 fa.allreduce_inplace(empty, "sum", comm)
 
+# A second communicator has its own plan; freeing it frees the plan's window too.
+dup = comm.Dup()
+y = np.full(10, r + 1.0)
+fa.allreduce_inplace(y, "sum", dup)
+dup.Free()
+fa.allreduce_inplace(x, "sum", comm)
+freed_ok = y[0] == n * (n + 1) / 2
+
 report_in_turn({"failures": failures, "path": fa.plan_for(comm).path,
-        "identical": len(set(digests)) == 1, "errors": errors})
+        "identical": len(set(digests)) == 1, "errors": errors, "freed_ok": bool(freed_ok)})
 """
 
 
@@ -89,6 +97,7 @@ def test_shared_memory_path_every_dtype_op_and_size(n):
         assert res["path"] == "shm"  # one node: the shared-memory engine, not MPI
         assert res["identical"]
         assert len(res["errors"]) == 3
+        assert res["freed_ok"]
 
 
 SMALL = """
