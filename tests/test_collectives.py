@@ -19,8 +19,6 @@ calls = 0
 for backend in ("mpi", "torch", "auto"):
     for name, dtype in DTYPES.items():
         for op in ("sum", "mean", "max", "min"):
-            if op == "mean" and not dtype.is_floating_point:
-                continue
             # rank r holds r + 1 + (position / 4): half-precision exact values
             x = (torch.arange(6, dtype=torch.float64).reshape(2, 3) / 4 + ctx.rank + 1)
             x = x.to(dtype) if dtype.is_floating_point else (x * 4).to(dtype)
@@ -48,8 +46,8 @@ def error_of(fn):
 
 out["errors"]["op"] = error_of(lambda: mpilab.allreduce(torch.ones(2), op="avg"))
 out["errors"]["backend"] = error_of(lambda: mpilab.allreduce(torch.ones(2), backend="nccl"))
-out["errors"]["mean_int"] = error_of(lambda: mpilab.allreduce(torch.ones(2, dtype=torch.int64),
-                                                              op="mean"))
+odd = mpilab.allreduce(torch.tensor([ctx.rank, -ctx.rank], dtype=torch.int64), op="mean")
+out["int_mean_floor"] = odd.tolist()
 out["errors"]["root"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root=5))
 if importlib.util.find_spec("mpilab.rank.fusion") is not None:
     pair = [torch.ones(3) * (ctx.rank + 1), torch.ones(2, 2, dtype=torch.float64)]
@@ -67,7 +65,7 @@ def _expected(op: str, integer: bool) -> list[float]:
     if integer:
         ranks = [[v * 4 for v in values] for values in ranks]
     pick = {"sum": lambda a, b: a + b, "mean": lambda a, b: (a + b) / 2, "max": max,
-            "min": min}[op]
+            "min": min}[op]  # the integer means here are exact
     return [pick(a, b) for a, b in zip(*ranks, strict=True)]
 
 
@@ -85,7 +83,8 @@ def test_allreduce_every_dtype_op_and_backend(results: list) -> None:
             assert dtype == f"torch.{name}", key
             assert values == _expected(op, name == "int64"), key
             checked += 1
-    assert checked == 2 * 3 * (4 * 4 + 3)
+    assert checked == 2 * 3 * 5 * 4
+    assert results[0]["int_mean_floor"] == [0, -1]  # integer means round down
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch", "auto"])
@@ -104,7 +103,6 @@ def test_bad_input_is_named(results: list) -> None:
     errors = results[0]["errors"]
     assert "'avg'" in errors["op"] and "sum, mean, max, min" in errors["op"]
     assert "'nccl'" in errors["backend"] and "auto, mpi, torch" in errors["backend"]
-    assert "floating-point" in errors["mean_int"] and "int64" in errors["mean_int"]
     assert "root 5" in errors["root"]
 
 

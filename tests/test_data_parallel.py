@@ -211,3 +211,45 @@ def test_outside_a_cluster_says_so() -> None:
     assert not bootstrap.is_initialized()
     with pytest.raises(bootstrap.BootstrapError, match="not initialised"):
         DataParallel(nn.Linear(2, 2))
+
+
+_RECOVER = """
+import threading
+import torch
+from torch import nn
+from mpilab.rank import waiting
+
+torch.manual_seed(0)
+model = nn.Linear(4, 2)
+dp = mpilab.DataParallel(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.ones(8, 4) * (ctx.rank + 1)
+
+def step():
+    opt.zero_grad()
+    dp(x).sum().backward()
+    opt.step()
+
+step()
+outcome = "released"
+if ctx.rank == 0:  # waits in the gradient allreduce for a peer that never comes
+    threading.Timer(0.5, waiting.abort, args=("peer failed",)).start()
+    try:
+        step()
+    except waiting.CollectiveAborted as e:
+        outcome = f"aborted: {e}"
+else:  # fails before its backward; the watchdog releases every rank
+    waiting.abort("released")
+ctx.comm.Barrier()
+waiting.recover()
+step()
+step()
+report_all({"outcome": outcome, "params": [p.tolist() for p in model.parameters()]})
+"""
+
+
+def test_recovers_after_an_abort_mid_step() -> None:
+    # MPI's own path: its waits honour the abort flag
+    got = run_ranks(_GATHER + _RECOVER, n=2, env={"MPILAB_ALLREDUCE": "mpi"}, timeout=120)[0]
+    assert got[0]["outcome"] == "aborted: peer failed"
+    assert got[0]["params"] == got[1]["params"]

@@ -13,14 +13,13 @@ can never match mpilab's.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from . import agent as agent_mod
-from . import bootstrap
+from . import bootstrap, waiting
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
@@ -42,7 +41,14 @@ def private_comm() -> Any:
     global _private_comm
     if _private_comm is None:
         _private_comm = bootstrap.context().comm.Dup()
+        waiting.on_recover(_renew_private_comm)
     return _private_comm
+
+
+def _renew_private_comm() -> None:
+    """After an abort the old communicator is out of step: every rank takes a new one."""
+    global _private_comm
+    _private_comm = bootstrap.context().comm.Dup()
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor | None) -> str:
@@ -54,11 +60,17 @@ def resolve_backend(backend: str, tensor: torch.Tensor | None) -> str:
     return "torch" if tensor is not None and tensor.device.type != "cpu" else "mpi"
 
 
-def _check_op(op: str, tensor: torch.Tensor) -> None:
+def _check_op(op: str) -> None:
     if op not in OPS:
         raise ValueError(f"op {op!r} is not one of {', '.join(OPS)}")
-    if op == "mean" and not tensor.is_floating_point():
-        raise TypeError(f"op='mean' needs a floating-point tensor, got {tensor.dtype}")
+
+
+def _divide(buf: torch.Tensor, world_size: int) -> None:
+    """The mean from the sum; integer means round down (as tensor fusion does)."""
+    if buf.is_floating_point():
+        buf.div_(world_size)
+    else:
+        buf.div_(world_size, rounding_mode="floor")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -70,11 +82,8 @@ def _shape(tensor: torch.Tensor) -> str:
 
 
 def wait_work(work: Any) -> None:
-    """Wait for a torch.distributed Work handle, staying responsive to signals."""
-    sleep = 0.0
-    while not work.is_completed():
-        sleep = min(0.002, sleep * 2 or 0.00005)
-        time.sleep(sleep)
+    """Wait for a torch.distributed Work handle, staying responsive to signals and aborts."""
+    waiting.poll(work.is_completed)
     work.wait()  # raises the collective's error, if any
 
 
@@ -92,13 +101,18 @@ def _as_bytes(buf: torch.Tensor) -> Any:
 
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
               backend: str = "auto") -> Any:
-    """Reduce `tensor` across ranks in place and return it; a list goes through tensor fusion."""
+    """Reduce `tensor` across ranks in place and return it; a list goes through tensor fusion.
+
+    op: sum | mean | max | min (the mean of integer tensors rounds down).
+    """
+    bootstrap.context()
+    _check_op(op)
     if isinstance(tensor, (list, tuple)):
         from .fusion import grouped_allreduce
 
-        return grouped_allreduce(list(tensor), op=op, backend=backend)
-    bootstrap.context()
-    _check_op(op, tensor)
+        nbytes = sum(_nbytes(t) for t in tensor)
+        with agent_mod.current().collective("allreduce", nbytes, f"{len(tensor)} tensors"):
+            return grouped_allreduce(list(tensor), op=op, backend=backend, comm=private_comm())
     chosen = resolve_backend(backend, tensor)
     with agent_mod.current().collective("allreduce", _nbytes(tensor), _shape(tensor)):
         if chosen == "mpi":
@@ -115,7 +129,7 @@ def _mpi_allreduce(tensor: torch.Tensor, op: str) -> None:
     with torch.no_grad():
         allreduce_inplace(buf.view(-1).numpy(), "sum" if op == "mean" else op, private_comm())
         if op == "mean":
-            buf.div_(bootstrap.context().world_size)
+            _divide(buf, bootstrap.context().world_size)
         if buf is not tensor:
             tensor.copy_(buf)
 
@@ -129,7 +143,7 @@ def _torch_allreduce(tensor: torch.Tensor, op: str) -> None:
     with torch.no_grad():
         wait_work(dist.all_reduce(buf, op=reduce_op, async_op=True))
         if op == "mean":
-            buf.div_(dist.get_world_size())
+            _divide(buf, dist.get_world_size())
         if buf is not tensor:
             tensor.copy_(buf)
 

@@ -23,6 +23,7 @@ import contextlib
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from . import agent as agent_mod
-from . import bootstrap, collectives
+from . import bootstrap, collectives, waiting
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
@@ -141,6 +142,8 @@ class _CommThread:
         self.comm = comm
         self.queue: queue.SimpleQueue[_Bucket] = queue.SimpleQueue()
         self.threaded = threaded
+        self.busy = False
+        self.syncs: weakref.WeakSet[_MPIGradSync] = weakref.WeakSet()
         if threaded:
             threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True).start()
 
@@ -152,7 +155,29 @@ class _CommThread:
 
     def _run(self) -> None:
         while True:
-            self._process(self.queue.get())
+            bucket = self.queue.get()
+            self.busy = True
+            self._process(bucket)
+            self.busy = False
+
+    def recover(self) -> None:
+        """After an abort (every rank, together): drop queued buckets, take a new comm.
+
+        The abort is still set while recovery hooks run, so the bucket in flight fails
+        fast; every DataParallel then starts its next backward from a clean state.
+        """
+        while True:
+            try:
+                bucket = self.queue.get_nowait()
+            except queue.Empty:
+                break
+            bucket.error = waiting.CollectiveAborted("dropped by recovery")
+            bucket.done.set()
+        while self.busy:
+            time.sleep(0.001)
+        self.comm = bootstrap.context().comm.Dup()
+        for sync in list(self.syncs):
+            sync.reset()
 
     def _process(self, bucket: _Bucket) -> None:
         start = time.perf_counter()
@@ -190,6 +215,7 @@ def _shared_comm_thread() -> _CommThread:
 
         threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         _comm_thread = _CommThread(bootstrap.context().comm.Dup(), threaded)
+        waiting.on_recover(_comm_thread.recover)
     return _comm_thread
 
 
@@ -200,15 +226,21 @@ class _MPIGradSync:
                  clock: _StepClock):
         self.world_size = world_size
         self.clock = clock
-        self.comm = _shared_comm_thread()
+        self.comm_thread = _shared_comm_thread()
         self.enabled = True
         self.buckets = _make_buckets(params, cfg, world_size)
         self.where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
         for bucket in self.buckets:
-            bucket.reset()
             for i, p in enumerate(bucket.params):
                 self.where[p] = (bucket, i)
                 p.register_post_accumulate_grad_hook(self._on_grad)
+        self.reset()
+        self.comm_thread.syncs.add(self)
+
+    def reset(self) -> None:
+        """No bucket filled or in flight: the state between two steps."""
+        for bucket in self.buckets:
+            bucket.reset()
         self.next_bucket = 0
         self.pending = False
 
@@ -250,7 +282,7 @@ class _MPIGradSync:
                 bucket.copied = torch.cuda.Event()
                 bucket.copied.record()
         self.clock.nbytes += bucket.nbytes
-        self.comm.submit(bucket)
+        self.comm_thread.submit(bucket)
 
     def _finish(self) -> None:
         """End of backward: reduce what no hook reported (unused parameters), then wait."""
@@ -267,8 +299,8 @@ class _MPIGradSync:
         self.next_bucket = 0
         wait_start = time.perf_counter()
         for bucket in self.buckets:
-            while not bucket.done.wait(0.05):
-                pass
+            while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
+                waiting.check_abort()
         exposed = time.perf_counter() - wait_start
         errors = [b.error for b in self.buckets if b.error is not None]
         for bucket in self.buckets:
@@ -280,6 +312,8 @@ class _MPIGradSync:
                     bucket.flat.copy_(bucket.wire)
             bucket.reset()
         if errors:
+            if isinstance(errors[0], waiting.CollectiveAborted):
+                raise waiting.CollectiveAborted(str(errors[0])) from errors[0]
             raise RuntimeError(f"gradient allreduce failed: {errors[0]}") from errors[0]
         self.clock.synced(exposed)
 
