@@ -22,6 +22,13 @@ def run_gathered(code: str, n: int = 2, timeout: float = 240) -> list:
 # one process training on the same 2B samples per step (computed on each rank locally).
 _TRAIN = """
 import torch
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
 from torch import nn
 from mpilab.rank import agent
 
@@ -98,6 +105,13 @@ for backend in ("mpi", "torch", "mpi-inline"):
             "forward_same": torch.equal(dp(X[:3]), model(X[:3])),
         }
 
+# rerunning a notebook cell wraps the same model again: the last wrap wins
+model = make()
+mpilab.DataParallel(model, bucket_mb=0.002)
+train(mpilab.DataParallel(model), mine)
+out["rewrap_err"] = max((p - r).abs().max().item() for p, r in zip(model.parameters(), ref_params))
+out["wrap_twice"] = error_of(lambda: mpilab.DataParallel(mpilab.DataParallel(make())))
+
 # a model trained in bfloat16 (MPI has no bfloat16 type) keeps the ranks identical
 model = make().to(torch.bfloat16)
 dp = mpilab.DataParallel(model)
@@ -161,6 +175,11 @@ def test_one_step_record_per_optimizer_step(trained: list, backend: str) -> None
 def test_wrapped_model_looks_like_the_plain_one(trained: list, backend: str) -> None:
     got = trained[1][f"{backend}-plain"]
     assert got["keys_plain"] and got["forward_same"]
+
+
+def test_wrapping_again(trained: list) -> None:
+    assert trained[0]["rewrap_err"] < 1e-5
+    assert "already a mpilab.DataParallel" in trained[0]["wrap_twice"]
 
 
 def test_bfloat16_model_over_mpi(trained: list) -> None:

@@ -222,18 +222,25 @@ def _shared_comm_thread() -> _CommThread:
 class _MPIGradSync:
     """Bucketed, overlapped gradient averaging over MPI for one model."""
 
-    def __init__(self, params: list[nn.Parameter], cfg: DataParallelConfig, world_size: int,
+    def __init__(self, model: nn.Module, cfg: DataParallelConfig, world_size: int,
                  clock: _StepClock):
+        params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
         self.clock = clock
         self.comm_thread = _shared_comm_thread()
         self.enabled = True
         self.buckets = _make_buckets(params, cfg, world_size)
         self.where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
+        # A notebook cell that wraps the same model again replaces the earlier wrap's
+        # hooks: two sets would reduce and average every gradient twice.
+        for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
+            handle.remove()
+        handles = []
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self.where[p] = (bucket, i)
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        model.__dict__["_mpilab_grad_hooks"] = handles
         self.reset()
         self.comm_thread.syncs.add(self)
 
@@ -432,7 +439,9 @@ class DataParallel(nn.Module):
 
     Forward, ``state_dict`` and attribute access behave like the plain model's; gradients
     are averaged over ranks by the end of ``backward()``; ``no_sync()`` skips that for
-    gradient accumulation. Any torch optimizer works on ``model.parameters()``.
+    gradient accumulation. Any torch optimizer works on ``model.parameters()``. Move the
+    model to its device before wrapping it; wrapping the same model again (rerunning a
+    cell) replaces the earlier wrap.
     """
 
     def __init__(self, model: nn.Module, backend: str = "mpi", bucket_mb: float = 25.0,
@@ -440,6 +449,9 @@ class DataParallel(nn.Module):
         super().__init__()
         ctx = bootstrap.context()
         self.config = DataParallelConfig(backend, bucket_mb, compression)
+        if isinstance(model, DataParallel):
+            raise ValueError("the model is already a mpilab.DataParallel: wrap the plain "
+                             "model (its .module) instead")
         self.module = model
         self._clock = _StepClock()
         check_same_parameters(model)
@@ -451,8 +463,7 @@ class DataParallel(nn.Module):
                 for tensor in (*model.parameters(), *model.buffers()):
                     collectives.broadcast(tensor.data, root=0, backend="mpi")
             self._ddp = None
-            params = [p for p in model.parameters() if p.requires_grad]
-            self._sync = _MPIGradSync(params, self.config, ctx.world_size, self._clock)
+            self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._clock.forward(args, kwargs)
