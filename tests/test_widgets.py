@@ -164,8 +164,11 @@ def test_dashboard_has_data_only_for_step_or_log_records():
     store.add({"k": "span", "r": 0, "t": T0 + 1, "name": "allreduce", "cat": "comm",
                "ts": T0, "dur": 0.1})
     assert not dash.has_data()
+    assert not dash.refresh()
+    assert dash._figure is None  # no widget (and its 5 MB of code) for a cell without metrics
     store.add(log_record(1, 0, loss=2.0))
     assert dash.has_data()
+    assert dash.refresh() and dash._figure is not None
 
 
 def test_dashboard_refresh_is_throttled_and_skips_unchanged_store():
@@ -215,6 +218,7 @@ def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
 
 def test_dashboard_final_bundle_is_static_where_no_frontend_showed_the_widget():
     dash = Dashboard(filled_store(steps=10), world_size=2)
+    dash.refresh()
     final = dash.mimebundle(final=True)
     assert WIDGET_VIEW_MIME not in final
     assert set(final) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
@@ -334,18 +338,18 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
             from mpilab.widgets import Dashboard
             store = MetricsStore(world_size=1)
             dash = Dashboard(store, world_size=1)
+            print(dash.figure.model_id)
             def feed():
                 time.sleep(0.5)  # the cell has finished: the kernel is idle
                 store.add({"k": "step", "r": 0, "t": time.time(), "step": 1, "dur": 0.1,
                            "compute": 0.05, "comm": 0.05, "nbytes": 8, "samples": 4})
                 dash.refresh(force=True)
             threading.Thread(target=feed).start()
-            print(dash.figure.model_id)
         """)
         kc.execute(code)
-        model_id, updates = None, []
+        model_id, updates = None, []  # comm ids of the widget updates seen
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and not updates:
+        while time.monotonic() < deadline and model_id not in updates:
             try:
                 msg = kc.get_iopub_msg(timeout=1)
             except queue.Empty:
@@ -355,12 +359,10 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
                 pytest.fail("\n".join(content["traceback"]))
             if msg["msg_type"] == "stream" and model_id is None:
                 model_id = content["text"].strip()
-            if (msg["msg_type"] == "comm_msg" and model_id
-                    and content["comm_id"] == model_id
-                    and "_py2js_update" in content["data"].get("state", {})
-                    and content["data"]["state"]["_py2js_update"]):
-                updates.append(content)
-        assert model_id and updates, "no widget update arrived from the thread"
+            if (msg["msg_type"] == "comm_msg"
+                    and content["data"].get("state", {}).get("_py2js_update")):
+                updates.append(content["comm_id"])
+        assert model_id in updates, "no widget update arrived from the thread"
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

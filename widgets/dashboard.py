@@ -59,7 +59,17 @@ class Dashboard:
         self._has_data = False
         self._checked_version = -1
         self._scalar_traces: dict[str, int] = {}
-        self.figure = go.FigureWidget(self._base_figure())
+        self._figure: go.FigureWidget | None = None
+        self._figure_lock = threading.Lock()
+
+    @property
+    def figure(self) -> go.FigureWidget:
+        """The live widget, made on first use: each one sends plotly's 5 MB widget code to
+        the frontend, and most cells a dashboard watches never log a metric."""
+        with self._figure_lock:  # the relay thread and the user may both ask first
+            if self._figure is None:
+                self._figure = go.FigureWidget(self._base_figure())
+        return self._figure
 
     # -- what the runner calls ----------------------------------------------------------
     def refresh(self, force: bool = False) -> bool:
@@ -72,6 +82,8 @@ class Dashboard:
         now = self.clock()
         if not force and (version == self._drawn_version
                           or now - self._drawn_at < MIN_REDRAW_INTERVAL_S):
+            return False
+        if not self.has_data():
             return False
         if not self._lock.acquire(blocking=False):
             return False  # another thread is drawing this very moment
@@ -106,7 +118,7 @@ class Dashboard:
         over the HTML; JupyterLab, when it missed the live view, draws the plotly data.
         """
         snapshot = self._snapshot()
-        if final and not self.figure._view_count:
+        if final and not (self._figure is not None and self._figure._view_count):
             return figure_bundle(self._static(snapshot), text=self._summary(snapshot))
         return {
             WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
