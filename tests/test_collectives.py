@@ -36,6 +36,11 @@ for backend in ("mpi", "torch", "auto"):
     out[f"{backend}/allgather"] = [list(g.shape), g.tolist()]
     mpilab.barrier(backend="mpi" if backend == "auto" else backend)
     calls += 4
+param = torch.nn.Parameter(torch.ones(3) * (ctx.rank + 1))  # requires_grad: in place too
+mpilab.allreduce(param, op="mean")
+mpilab.broadcast(param, root=1)
+out["param"] = param.tolist()
+calls += 2
 out["seq_counted"] = agent.current().state.seq - seq0 == calls
 
 def error_of(fn):
@@ -93,6 +98,10 @@ def test_broadcast_allgather_and_layouts(results: list, backend: str) -> None:
         assert got[f"{backend}/transposed"] == [0 + 1, 6 + 1, 2 + 1, 8 + 1, 4 + 1, 10 + 1]
         assert got[f"{backend}/broadcast"] == [1.0, 1.0, 1.0], rank
         assert got[f"{backend}/allgather"] == [[2, 2], [[0, 0], [1, 10]]]
+
+
+def test_parameters_reduce_in_place(results: list) -> None:
+    assert results[0]["param"] == results[1]["param"] == [1.5, 1.5, 1.5]
 
 
 def test_every_call_is_seen_by_the_agent(results: list) -> None:

@@ -96,7 +96,7 @@ def _host_buffer(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _as_bytes(buf: torch.Tensor) -> Any:
     """A zero-copy uint8 NumPy view (works for every dtype, bfloat16 included)."""
-    return buf.view(-1).view(torch.uint8).numpy()
+    return buf.detach().view(-1).view(torch.uint8).numpy()
 
 
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
@@ -127,7 +127,8 @@ def _mpi_allreduce(tensor: torch.Tensor, op: str) -> None:
         raise TypeError(f"allreduce over MPI does not support {tensor.dtype}")
     buf = _host_buffer(tensor, _WIDEN.get(tensor.dtype, tensor.dtype))
     with torch.no_grad():
-        allreduce_inplace(buf.view(-1).numpy(), "sum" if op == "mean" else op, private_comm())
+        array = buf.detach().view(-1).numpy()  # parameters too: no autograd on the wire
+        allreduce_inplace(array, "sum" if op == "mean" else op, private_comm())
         if op == "mean":
             _divide(buf, bootstrap.context().world_size)
         if buf is not tensor:
