@@ -177,6 +177,14 @@ class RankCluster:
             return ""
         out = []
         for engine_set in getattr(cluster, "engines", {}).values():
+            # read the file afresh: the launcher's get_output() caches its first read
+            path = getattr(engine_set, "output_file", None)
+            try:
+                with open(path) as f:
+                    out.append(f.read())
+                continue
+            except (OSError, TypeError):
+                pass
             try:
                 out.append(engine_set.get_output(remove=False) or "")
             except Exception:  # noqa: BLE001 - output is best-effort diagnostics
@@ -213,11 +221,16 @@ class RankCluster:
         self.ranks, self.engine_of_rank, self.dead = [], {}, {}
         launched = _launched_processes(cluster) if cluster is not None else []
         if fast:
+            for proc in launched:
+                try:
+                    proc.terminate()
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
             _kill_survivors(launched, grace=0.5)
         if client is not None and not fast:
             try:
                 # engines that exit on their own let mpiexec end cleanly and at once
-                client.shutdown(targets="all", block=True)
+                client.shutdown(targets="all", block=False)
             except Exception:  # noqa: BLE001 - dead engines cannot be asked; killed below
                 pass
             _wait_for_exit(launched, timeout=5)
@@ -259,6 +272,18 @@ class RankCluster:
             return bool(ar.wait(timeout)) and ar.successful()
         except Exception:  # noqa: BLE001 - a failed recovery means restart
             return False
+
+    @property
+    def receiver_address(self) -> str | None:
+        return self._receiver.address if self._receiver else None
+
+    def connection_files(self) -> list[str]:
+        """The controller's connection files (they hold the cluster's signing key)."""
+        cluster = self._ipp_cluster
+        if cluster is None:
+            return []
+        security = Path(cluster.profile_dir) / "security"
+        return sorted(str(p) for p in security.glob(f"ipcontroller-{cluster.cluster_id}-*.json"))
 
     def engine_pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]

@@ -404,7 +404,7 @@ def _engines_died(singles: dict) -> bool:
         if single.ready() and not single.successful():
             error = single.get(return_exceptions=True)
             error = error[0] if isinstance(error, list) else error
-            if type(error).__name__ == "EngineError":
+            if getattr(error, "ename", type(error).__name__) == "EngineError":
                 return True
     return False
 

@@ -104,12 +104,17 @@ class Session:
         return self._store().save_trace(path)
 
     def show_status(self):
-        from mpilab.widgets.status import status_text
+        """A live table of the ranks (a text table where there is no widget frontend)."""
+        from IPython.display import display
+        from mpilab.widgets.status import StatusTable
 
-        rank_info = self.cluster.ranks
-        if not rank_info:
+        if not self.cluster.ranks:
             raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
-        print(status_text(rank_info, self.cluster.store))
+        rank_info = [dict(info, dead=self.cluster.dead.get(info["rank"], ""))
+                     for info in self.cluster.ranks]
+        table = StatusTable(rank_info, self.cluster.store)
+        table.start()
+        display(table)
 
 
 def _ranks_word(ranks: list[int]) -> str:

@@ -18,6 +18,8 @@ import psutil
 DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
+MPIEXEC_REPORT_WAIT_S = 2.0
+UNKNOWN_CAUSE = "its process is gone"
 
 
 @dataclass
@@ -50,35 +52,34 @@ def _age(hb: dict) -> float:
 
 
 def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
-    """Ranks at the same collective number doing different things (op or size)."""
-    by_seq: dict[int, list[tuple[int, dict]]] = {}
+    """Ranks that did different things (op or size) at the same collective number,
+    in progress or recently finished."""
+    seen: dict[int, dict[int, tuple[str, int]]] = {}
     for rank, hb in heartbeats.items():
+        history = {int(seq): (op, int(nbytes)) for seq, op, nbytes in hb.get("recent", [])}
         if hb.get("phase") == "collective":
-            by_seq.setdefault(hb["seq"], []).append((rank, hb))
-    for seq, members in sorted(by_seq.items()):
-        kinds = {(hb["op"], hb.get("op_nbytes", 0)) for _, hb in members}
-        if len(kinds) > 1:
-            parts = [f"rank {r} in {hb['op']} #{seq} ({hb.get('op_nbytes', 0):,} bytes)"
-                     for r, hb in members]
+            history[hb["seq"]] = (hb["op"], hb.get("op_nbytes", 0))
+        for seq, what in history.items():
+            seen.setdefault(seq, {})[rank] = what
+    for seq in sorted(seen):
+        members = seen[seq]
+        if len(members) > 1 and len(set(members.values())) > 1:
+            parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
+                     for r, (op, nbytes) in sorted(members.items())]
             return "mismatched collectives: " + ", ".join(parts)
     return None
 
 
-_BAD_TERMINATION = re.compile(
-    r"PID (?P<pid>\d+) RUNNING AT (?P<host>\S+)\s*\n=\s*EXIT CODE: (?P<code>\d+)", re.M)
-_EXIT_STRING = re.compile(r"EXIT STRING: (?P<what>.+?) \(signal (?P<sig>\d+)\)")
+_ENGINE_EXIT = re.compile(r"mpilab-engine-exit pid=(?P<pid>\d+) (?P<cause>.+)")
 
 
 def death_cause(pid: int, launcher_output: str) -> str:
-    """'killed by signal 9' / 'exited with code 3' from mpiexec's report, if it has one."""
-    for m in _BAD_TERMINATION.finditer(launcher_output):
-        if int(m.group("pid")) != pid:
-            continue
-        sig = _EXIT_STRING.search(launcher_output[m.end():])
-        if sig:
-            return f"killed by signal {sig.group('sig')} ({sig.group('what')})"
-        return f"exited with code {m.group('code')}"
-    return "its process is gone"
+    """'killed by signal 9 (SIGKILL)' / 'exited with code 3', as the rank's supervisor
+    (mpilab.rank.engine_main) reported it."""
+    for m in _ENGINE_EXIT.finditer(launcher_output):
+        if int(m.group("pid")) == pid:
+            return m.group("cause").strip()
+    return UNKNOWN_CAUSE
 
 
 class Watchdog:
@@ -89,6 +90,8 @@ class Watchdog:
         self.ranks = ranks
         self.hang_timeout = hang_timeout
         self.first_failure: float | None = None
+        beats = cluster.store.heartbeats if cluster.store else {}
+        self._cells_before = {r: hb.get("cell", 0) for r, hb in dict(beats).items()}
         self.local_host = socket.gethostname()
         self._procs = {}
         for info in cluster.ranks:
@@ -98,25 +101,43 @@ class Watchdog:
                 except psutil.Error:
                     pass
 
+    def _this_cell(self, hb: dict | None) -> bool:
+        """A heartbeat sent while this cell runs (not a stale one from the last cell)."""
+        return hb is not None and hb.get("cell", 0) > self._cells_before.get(hb["r"], -1)
+
     def dead_ranks(self) -> dict[int, str]:
         dead = {}
-        output = None
         for rank, proc in self._procs.items():
-            if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                continue
-            if output is None:
-                output = self.cluster.engine_output(lines=200)
-            dead[rank] = death_cause(proc.pid, output)
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                pass
+            dead[rank] = self._cause(proc.pid)
         ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
         for rank in self.ranks:
             if rank not in self._procs and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
                 dead[rank] = f"no heartbeat for {ages[rank]:.0f} s"
         return dead
 
+    def _cause(self, pid: int) -> str:
+        """mpiexec reports how a rank ended a moment after it ends: wait for that."""
+        deadline = time.monotonic() + MPIEXEC_REPORT_WAIT_S
+        while True:
+            cause = death_cause(pid, self.cluster.engine_output(lines=200))
+            if cause != UNKNOWN_CAUSE or time.monotonic() > deadline:
+                return cause
+            time.sleep(0.1)
+
     def check(self, now: float, finished: dict[int, str]) -> Verdict | None:
         """finished: rank -> 'ok' | 'error' for the ranks whose cell has ended."""
         dead = self.dead_ranks()
         if dead:
+            known = [r for r, cause in dead.items() if cause != UNKNOWN_CAUSE]
+            if known:  # the others were ended by mpiexec's clean-up
+                for r, cause in dead.items():
+                    if cause == UNKNOWN_CAUSE:
+                        dead[r] = f"ended by mpiexec after rank {known[0]} died"
             info = {i["rank"]: i for i in self.cluster.ranks}
             lines = [f"rank {r} (pid {info[r]['pid']} on {info[r]['host']}) died: {cause}"
                      for r, cause in sorted(dead.items())]
@@ -126,8 +147,9 @@ class Watchdog:
             return None
         heartbeats = dict(self.cluster.store.heartbeats) if self.cluster.store else {}
         waiting = {r: heartbeats.get(r) for r in running}
-        mismatch = find_mismatch({r: hb for r, hb in waiting.items() if hb})
-        if mismatch and len(running) == len(self.ranks):
+        mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
+                                  if r in self.ranks and self._this_cell(hb)})
+        if mismatch:
             return Verdict("mismatch", [mismatch], release=running)
         failed = [r for r, how in finished.items() if how == "error"]
         if failed:

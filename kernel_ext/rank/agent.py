@@ -34,7 +34,8 @@ class RankState:
     op_shape: str = ""
     step: int = 0
     cell: int = 0
-    extra: dict = field(default_factory=dict)
+    # the last collectives of the main thread: [seq, op, nbytes], for mismatch reports
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
 
 
 class Agent:
@@ -85,24 +86,35 @@ class Agent:
             "rss": _rss_bytes(),
             "dev_mem": int(self.device_memory()),
             "where": user_frame() if st.phase != "idle" else "",
+            "recent": [list(item) for item in st.recent],
         }
 
     @contextmanager
     def collective(self, op: str, nbytes: int = 0, shape: str = ""):
-        """Mark a collective in progress: heartbeats carry it, a span records it."""
+        """Mark a collective in progress: heartbeats carry it, a span records it.
+
+        Only the main thread's collectives are numbered: their order is the program's,
+        the same on every rank, so numbers can be compared across ranks. A background
+        thread's (DataParallel's buckets) only leave spans.
+        """
         st = self.state
-        previous = st.phase
-        st.seq += 1
-        st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
-        st.op_started = time.time()
-        st.phase = "collective"
+        start = time.time()
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            previous = st.phase
+            st.seq += 1
+            st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
+            st.op_started = start
+            st.phase = "collective"
+            st.recent.append((st.seq, op, nbytes))
         try:
             yield st.seq
         finally:
             end = time.time()
-            st.phase = previous
-            st.op = ""
-            self.emit("span", name=op, cat="comm", ts=st.op_started, dur=end - st.op_started,
+            if main:
+                st.phase = previous
+                st.op = ""
+            self.emit("span", name=op, cat="comm", ts=start, dur=end - start,
                       nbytes=nbytes, seq=st.seq, t=end)
 
     # -- the thread --------------------------------------------------------------

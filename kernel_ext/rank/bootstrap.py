@@ -152,7 +152,33 @@ def init(
     if device.type == "cuda":
         agent.device_memory = lambda: torch.cuda.memory_allocated(device)
     agent_mod.install(agent)
+    _prepare_communicators()
     return _context
+
+
+def _prepare_communicators() -> None:
+    """Make mpilab's own communicator and its shared-memory plan now, on every rank.
+
+    Made lazily, a rank whose peer failed before its first collective would block in
+    their creation (a blocking, uninterruptible MPI call) instead of in a wait mpilab
+    can release.
+    """
+    from .collectives import private_comm
+    from .fast_allreduce import plan_for
+    from .waiting import on_recover
+
+    plan_for(private_comm())
+    on_recover(_align_collective_numbers)
+
+
+def _align_collective_numbers() -> None:
+    """After an abort ranks may have started different numbers of collectives; agree on
+    the highest so the numbers compare again (all ranks run this in `recover()`)."""
+    from mpi4py import MPI
+
+    state = agent_mod.current().state
+    state.seq = context().comm.allreduce(state.seq, op=MPI.MAX)
+    state.recent.clear()
 
 
 def _bind_device(torch, gpus, local_rank):
