@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import ipyparallel as ipp
-
 from mpilab.cluster import ClusterConfig, RankCluster
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import cluster_pids
 from kernel import Kernel
 

@@ -29,6 +29,8 @@ import time
 
 import numpy as np
 
+from .waiting import check_abort
+
 CACHE_LINE = 64
 # 1 MiB per slot: large enough that Python's per-chunk overhead (a few µs) is small
 # beside the copy, small enough that a chunk of every rank stays in L2/L3 cache.
@@ -56,6 +58,7 @@ def _wait_flag(flag: np.ndarray, target: int) -> None:
         if waited < _YIELD_S:
             os.sched_yield()
         else:
+            check_abort()  # a released rank (peer failed) stops waiting, on any thread
             time.sleep(min(_MAX_SLEEP_S, waited / 16))
 
 
