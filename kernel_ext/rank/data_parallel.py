@@ -72,6 +72,7 @@ class _StepClock:
     nbytes: int = 0
 
     def forward(self, args: tuple, kwargs: dict) -> None:
+        """Count the samples: the first dimension of the first tensor argument."""
         if self.first_forward is None:
             self.first_forward = time.perf_counter()
         for value in (*args, *kwargs.values()):
@@ -367,7 +368,7 @@ class _TimedHook:
         self.backward_done = 0.0
         self.bucket_times: list[float] = []
 
-    def hook(self, state, bucket):  # noqa: ANN001, ANN201 - DDP rejects other annotations
+    def hook(self, state, bucket):  # unannotated: DDP checks annotations against its own
         """The comm hook DDP calls for every bucket."""
         if not self.pending:
             self.pending = True
