@@ -297,7 +297,7 @@ class CellRunner:
         note = relay.cap_note()
         if note:
             self.write("stderr", note + "\n")
-        if not outcome.dead and _engines_died(singles):
+        if not outcome.dead and not outcome.restarted and _engines_died(singles):
             # ipyparallel noticed first; the watchdog names the dead and how they died
             time.sleep(0.5)
             verdict = watchdog.check(time.time(), {})
