@@ -18,6 +18,7 @@ _RANK_API = {
     "context": ".rank.bootstrap",
     "RankContext": ".rank.bootstrap",
     "log": ".rank.agent",
+    "progress": ".rank.progress",
     "allreduce": ".rank.collectives",
     "broadcast": ".rank.collectives",
     "allgather": ".rank.collectives",

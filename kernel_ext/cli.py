@@ -145,9 +145,37 @@ def cmd_bench(args) -> int:
         mpiexec = find_mpiexec(args.mpiexec)
     except ClusterError as e:
         return _fail(str(e))
-    cmd = [mpiexec, "-n", str(args.n), sys.executable, "-m", "mpilab.rank.bench",
-           args.op, "--sizes", args.sizes, "--backends", args.backends]
-    return subprocess.call(cmd)
+    from .rank.bench import parse_sizes
+
+    try:
+        parse_sizes(args.sizes)
+    except ValueError as e:
+        return _fail(str(e))
+    code = ("import sys; from mpilab.cli import bench_on_ranks; "
+            f"sys.exit(bench_on_ranks({args.op!r}, {args.sizes!r}, {args.backends!r}))")
+    return subprocess.call([mpiexec, "-n", str(args.n), sys.executable, "-c", code])
+
+
+def bench_on_ranks(op: str, sizes: str, backends: str) -> int:
+    """Runs on every rank under mpiexec; rank 0 prints the table `%mpilab bench` shows."""
+    import mpilab
+    from mpilab.rank.bench import parse_sizes
+    from mpilab.rank.engine import bench_here
+
+    ctx = mpilab.init()
+    try:
+        rows, ceiling = bench_here(op, parse_sizes(sizes),
+                                   [b.strip() for b in backends.split(",") if b.strip()])
+    except ValueError as e:
+        if ctx.rank == 0:
+            print(f"mpilab: {e}", file=sys.stderr)
+        return 2
+    if ctx.rank == 0:
+        from mpilab.widgets import bench_table
+
+        print(bench_table(rows))
+        print(f"memory-copy ceiling (one core): {ceiling:.2f} GB/s")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

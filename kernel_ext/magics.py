@@ -12,7 +12,8 @@ from .cluster import ClusterConfig, ClusterError
 from .runner import RunOptions, parse_ranks
 from .session import Session
 
-SUBCOMMANDS = ("start", "stop", "restart", "status", "push", "pull", "auto", "metrics", "trace")
+SUBCOMMANDS = ("start", "stop", "restart", "status", "push", "pull", "auto", "bench",
+               "dashboard", "metrics", "trace")
 
 
 def _parse(func, line: str):
@@ -115,6 +116,29 @@ class MpilabMagics(Magics):
         self.session.set_auto(self.shell, mode == "on")
         print(f"mpilab: every cell runs on the ranks ({'on' if mode == 'on' else 'off'})"
               if mode == "on" else "mpilab: cells run in the notebook again")
+
+    @magic_arguments(name="%mpilab bench")
+    @argument("op", choices=["allreduce", "broadcast", "allgather"])
+    @argument("--sizes", default="4K:64M", help="message sizes, powers of two: 4K:64M")
+    @argument("--backends", default="mpi,gloo,nccl,mpilab",
+              help="any of mpi, gloo, nccl, mpilab (nccl needs GPUs)")
+    def _bench_args(self, line):
+        """%mpilab bench allreduce|broadcast|allgather [--sizes 4K:64M] [--backends …]"""
+
+    def _bench(self, rest: str):
+        from IPython.display import display
+        from mpilab.widgets import bench_figure, bench_table
+        from mpilab.widgets.plotting import figure_bundle
+
+        args = _parse(self._bench_args, rest)
+        rows, ceiling = self.session.bench(args.op, args.sizes, args.backends)
+        print(bench_table(rows))
+        print(f"memory-copy ceiling (one core): {ceiling:.2f} GB/s")
+        display(figure_bundle(bench_figure(rows, ceiling)), raw=True)
+
+    def _dashboard(self, rest: str):
+        self._no_args("dashboard", rest)
+        self.session.show_dashboard()
 
     @magic_arguments(name="%mpilab metrics")
     @argument("--save", required=True, help="FILE.json or FILE.csv")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .cluster import ClusterError, RankCluster
+from .live import LiveViews
 from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog
 
 TICK_S = 0.1  # relay cadence: output reaches the notebook within ~0.1 s
@@ -205,12 +206,11 @@ def _default_write(stream: str, text: str) -> None:
 class CellRunner:
     """Executes cells on a RankCluster and relays what the ranks produce."""
 
-    def __init__(self, cluster: RankCluster, write: Callable[[str, str], None] = _default_write,
-                 on_tick: Callable[[float, CellOutcome], None] | None = None):
+    def __init__(self, cluster: RankCluster, write: Callable[[str, str], None] = _default_write):
         self.cluster = cluster
         self.write = write
-        self.on_tick = on_tick  # dashboard/watchdog hook, called every relay tick
         self.background: list[threading.Thread] = []
+        self.last_views: LiveViews | None = None
 
     def run(self, code: str, options: RunOptions | None = None) -> CellOutcome | None:
         options = options or RunOptions()
@@ -251,7 +251,8 @@ class CellRunner:
         offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
         shown_outputs = {r: 0 for r in ranks}
         relay = OutputRelay(ranks, self.write, cap=options.output_cap)
-        self.last_relay = relay
+        views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard)
+        self.last_views = views
         deadline = None if options.timeout is None else time.monotonic() + options.timeout
 
         def pump(final: bool = False) -> None:
@@ -271,8 +272,8 @@ class CellRunner:
                         _publish(outputs[shown_outputs[r]], r, len(ranks) > 1)
                     shown_outputs[r] += 1
             relay.flush(now, final=final)
-            if self.on_tick is not None:
-                self.on_tick(now, outcome)
+            if views is not None:
+                views.tick()
 
         singles = dict(zip(ranks, ar.split()))
         watchdog = Watchdog(self.cluster, ranks, options.hang_timeout)
@@ -294,6 +295,7 @@ class CellRunner:
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
         pump(final=True)
+        views.finish()
         note = relay.cap_note()
         if note:
             self.write("stderr", note + "\n")

@@ -103,6 +103,57 @@ class Session:
             raise ClusterError(f"{path}: a trace is saved as .json (Chrome trace format)")
         return self._store().save_trace(path)
 
+    def bench(self, op: str, sizes: str, backends: str) -> tuple[list[dict], float]:
+        """Measure a collective on the running ranks: (rows, memcpy ceiling GB/s)."""
+        from .rank.bench import parse_sizes
+        from .rank.engine import bench_here
+
+        self.cluster.check_usable()
+        size_list = parse_sizes(sizes)
+        backend_list = [b.strip() for b in backends.split(",") if b.strip()]
+        engines = [self.cluster.engine_of_rank[r] for r in range(self.cluster.world_size)]
+        ar = self.cluster.client[engines].apply_async(bench_here, op, size_list, backend_list)
+        try:
+            results = ar.get()
+        except KeyboardInterrupt:
+            self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
+            raise
+        except Exception as e:  # noqa: BLE001 - the ranks' ValueError, as one line
+            from .cluster import _remote_message
+
+            raise ClusterError(f"bench: {_remote_message(e)}") from None
+        rows, ceiling = results[0]
+        return rows, ceiling
+
+    def show_dashboard(self) -> None:
+        """The dashboard of the latest run, kept live by a refresher thread."""
+        import contextvars
+        import threading
+        import time
+
+        from IPython.display import display
+        from mpilab.widgets import Dashboard
+
+        store = self._store()
+        views = self.runner.last_views
+        since = views.started if views is not None else 0.0
+        dash = Dashboard(store, self.cluster.world_size, since=since)
+        if not dash.has_data():
+            raise ClusterError("no training metrics yet: run a cell that uses "
+                               "mpilab.DataParallel or mpilab.log(...)")
+        display(dash.mimebundle(), raw=True)
+
+        def keep_fresh():
+            idle_since = time.monotonic()
+            while time.monotonic() - idle_since < 60 and self.cluster.running:
+                if dash.refresh():
+                    idle_since = time.monotonic()
+                time.sleep(0.25)
+
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(keep_fresh,), daemon=True,
+                         name="mpilab-dashboard").start()
+
     def show_status(self):
         """A live table of the ranks (a text table where there is no widget frontend)."""
         from IPython.display import display

@@ -100,3 +100,13 @@ def _clean_traceback(shell, etype, value, tb, tb_offset=None):
     shell._showtraceback(etype, value, stb)
     return stb
 
+
+def bench_here(op: str, sizes: list[int], backends: list[str]) -> tuple[list[dict], float]:
+    """One rank's part of `%mpilab bench` / `mpilab bench`: rows and, on rank 0, the
+    node's single-core memory-copy bandwidth (the plot's ceiling), measured the same run."""
+    from .bench import memcpy_bandwidth, run_bench
+    from .bootstrap import context
+
+    rows = run_bench(op, sizes, backends)
+    ceiling = memcpy_bandwidth(max(64 << 20, max(sizes))) if context().rank == 0 else 0.0
+    return rows, ceiling

@@ -1,0 +1,82 @@
+"""What appears under a running `%%ranks` cell besides its text: the training dashboard
+and rank 0's progress bar. The runner calls `tick()` on every relay tick and `finish()`
+at the end; both are cheap when the cell logs nothing."""
+
+from __future__ import annotations
+
+import html
+import time
+import uuid
+
+from IPython.display import display, update_display
+
+PROGRESS_MIN_INTERVAL_S = 0.25
+
+
+class LiveViews:
+    def __init__(self, store, world_size: int, dashboard: bool):
+        from mpilab.widgets import Dashboard
+
+        self.store = store
+        self.started = time.time()
+        self.dashboard = Dashboard(store, world_size, since=self.started) if dashboard else None
+        self._dashboard_id: str | None = None
+        self._progress_id: str | None = None
+        self._progress_shown: tuple | None = None
+        self._progress_at = 0.0
+        self._version = -1
+
+    def tick(self) -> None:
+        if self.store.version == self._version:
+            return  # nothing new arrived since the last tick
+        self._version = self.store.version
+        self._progress()
+        dash = self.dashboard
+        if dash is None:
+            return
+        if self._dashboard_id is None:
+            if dash.has_data():
+                self._dashboard_id = uuid.uuid4().hex
+                display(dash.mimebundle(), raw=True, display_id=self._dashboard_id)
+        else:
+            dash.refresh()
+
+    def finish(self) -> None:
+        self._version = -1
+        self._progress(final=True)
+        if self._dashboard_id is not None:
+            self.dashboard.refresh(force=True)
+            update_display(self.dashboard.mimebundle(final=True), raw=True,
+                           display_id=self._dashboard_id)
+
+    def _progress(self, final: bool = False) -> None:
+        events = [e for e in self.store.records("event", rank=0, since=self.started)
+                  if e.get("what") == "progress"]
+        if not events:
+            return
+        last = events[-1]
+        state = (last.get("n"), last.get("total"), last.get("desc"))
+        now = time.monotonic()
+        if state == self._progress_shown or (
+                not final and now - self._progress_at < PROGRESS_MIN_INTERVAL_S):
+            return
+        self._progress_shown, self._progress_at = state, now
+        bundle = progress_bundle(last)
+        if self._progress_id is None:
+            self._progress_id = uuid.uuid4().hex
+            display(bundle, raw=True, display_id=self._progress_id)
+        else:
+            update_display(bundle, raw=True, display_id=self._progress_id)
+
+
+def progress_bundle(event: dict) -> dict:
+    n, total = int(event.get("n", 0)), int(event.get("total", 0))
+    elapsed = float(event.get("elapsed", 0.0))
+    rate = n / elapsed if elapsed > 0 else 0.0
+    desc = str(event.get("desc", ""))
+    count = f"{n}/{total}" if total else f"{n}"
+    text = f"{desc + ': ' if desc else ''}{count} [{elapsed:.1f} s, {rate:.1f} it/s]"
+    bar = (f"<progress value='{n}' max='{total}' style='width:40%'></progress> "
+           if total else "")
+    return {"text/plain": text,
+            "text/html": f"<div class='mpilab-progress'>{bar}{html.escape(text)}</div>"}

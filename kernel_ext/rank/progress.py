@@ -1,0 +1,46 @@
+"""`mpilab.progress(iterable)`: a progress bar for a training loop on the ranks.
+
+Every rank iterates; rank 0 reports its position over the record channel (at most
+five times a second), and the notebook draws one bar under the cell that updates in
+place. Engines have no widget frontend of their own, so tqdm's notebook bar cannot be
+shown from a rank; this is the equivalent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import TypeVar
+
+from . import agent as agent_mod
+
+T = TypeVar("T")
+REPORT_INTERVAL_S = 0.2
+
+
+def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    agent = agent_mod.current()
+    if total is None:
+        try:
+            total = len(iterable)  # type: ignore[arg-type]
+        except TypeError:
+            total = 0
+    if agent.rank != 0:
+        yield from iterable
+        return
+    start = last = time.time()
+    n = 0
+
+    def report() -> None:
+        agent.emit("event", what="progress", n=n, total=int(total or 0), desc=desc,
+                   elapsed=time.time() - start)
+
+    report()
+    for item in iterable:
+        yield item
+        n += 1
+        now = time.time()
+        if now - last >= REPORT_INTERVAL_S:
+            last = now
+            report()
+    report()
