@@ -120,6 +120,7 @@ class Dashboard:
         snapshot = self._snapshot()
         if final and not (self._figure is not None and self._figure._view_count):
             return figure_bundle(self._static(snapshot), text=self._summary(snapshot))
+        self.refresh(force=True)  # the view starts with the data there is now
         return {
             WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
                                "model_id": self.figure.model_id},
