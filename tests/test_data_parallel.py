@@ -267,8 +267,9 @@ report_all({"outcome": outcome, "params": [p.tolist() for p in model.parameters(
 """
 
 
-def test_recovers_after_an_abort_mid_step() -> None:
-    # MPI's own path: its waits honour the abort flag
-    got = run_ranks(_GATHER + _RECOVER, n=2, env={"MPILAB_ALLREDUCE": "mpi"}, timeout=120)[0]
+@pytest.mark.parametrize("path", ["shm", "mpi"])
+def test_recovers_after_an_abort_mid_step(path: str) -> None:
+    env = {"MPILAB_ALLREDUCE": "mpi" if path == "mpi" else "auto"}
+    got = run_ranks(_GATHER + _RECOVER, n=2, env=env, timeout=120)[0]
     assert got[0]["outcome"] == "aborted: peer failed"
     assert got[0]["params"] == got[1]["params"]

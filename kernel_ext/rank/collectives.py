@@ -30,25 +30,41 @@ _WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 _MPI_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
                torch.int64, torch.int8, torch.uint8}
 
-_private_comm: Any = None
+# mpilab's own communicators (dups of COMM_WORLD): one for the collectives here, one for
+# DataParallel's communication thread (two threads must not share a communicator).
+_comms: dict[str, Any] = {}
 
 
-def private_comm() -> Any:
-    """mpilab's own communicator (a dup of COMM_WORLD), created on first use.
+def _make_comms(interruptible: bool = True) -> None:
+    """Create both communicators and their allreduce plans, on every rank together.
 
-    Creating it is collective: the first mpilab collective runs on every rank anyway.
+    The bootstrap calls this eagerly (through private_comm), so no rank ever blocks in
+    creating them later while a failed peer never arrives.
     """
-    global _private_comm
-    if _private_comm is None:
-        _private_comm = bootstrap.context().comm.Dup()
-        waiting.on_recover(_renew_private_comm)
-    return _private_comm
+    from .fast_allreduce import plan_for
+
+    world = bootstrap.context().comm
+    for name in ("collectives", "data_parallel"):
+        if interruptible:
+            comm, request = world.Idup()
+            wait_interruptibly(request)
+        else:
+            comm = world.Dup()
+        plan_for(comm)
+        _comms[name] = comm
 
 
-def _renew_private_comm() -> None:
-    """After an abort the old communicator is out of step: every rank takes a new one."""
-    global _private_comm
-    _private_comm = bootstrap.context().comm.Dup()
+def _renew_comms() -> None:
+    """Recovery (all ranks present, abort still set): the old ones are out of step."""
+    _make_comms(interruptible=False)
+
+
+def private_comm(name: str = "collectives") -> Any:
+    """One of mpilab's communicators: "collectives" or "data_parallel"."""
+    if not _comms:
+        _make_comms()
+        waiting.on_recover(_renew_comms)
+    return _comms[name]
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor | None) -> str:

@@ -20,6 +20,8 @@ by a timing hook. Both backends emit one ``step`` record per synchronised step.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import json
 import queue
 import threading
 import time
@@ -131,7 +133,7 @@ class _CommThread:
     """The one thread (and private communicator) that reduces DataParallel buckets.
 
     Shared by every DataParallel of the process: one FIFO keeps all ranks' collectives
-    in the same order, and one communicator is created however often a cell rewraps.
+    in the same order, and one communicator serves however often a cell rewraps.
     The thread calls MPI while the training thread may too (on other communicators),
     which needs MPI_THREAD_MULTIPLE: mpi4py asks for it by default and MPICH grants it
     (``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` under mpiexec and in ipyparallel's
@@ -176,7 +178,7 @@ class _CommThread:
             bucket.done.set()
         while self.busy:
             time.sleep(0.001)
-        self.comm = bootstrap.context().comm.Dup()
+        self.comm = collectives.private_comm("data_parallel")  # renewed by recovery
         for sync in list(self.syncs):
             sync.reset()
 
@@ -209,13 +211,13 @@ _comm_thread: _CommThread | None = None
 
 
 def _shared_comm_thread() -> _CommThread:
-    """Created at the first wrap, which runs on every rank (Dup is collective)."""
+    """Created at the first wrap, on mpilab's DataParallel communicator."""
     global _comm_thread
     if _comm_thread is None:
         from mpi4py import MPI
 
         threaded = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-        _comm_thread = _CommThread(bootstrap.context().comm.Dup(), threaded)
+        _comm_thread = _CommThread(collectives.private_comm("data_parallel"), threaded)
         waiting.on_recover(_comm_thread.recover)
     return _comm_thread
 
@@ -415,10 +417,24 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
 
 
 # ------------------------------------------------------------------------------- common
+def _allgather_json(obj: Any) -> list:
+    """Every rank's `obj` (plain data), through interruptible collectives (no pickle)."""
+    from mpi4py import MPI
+
+    data = json.dumps(obj).encode()
+    sizes = collectives.allgather(torch.tensor([len(data)], dtype=torch.int64)).view(-1).tolist()
+    displs = [0, *itertools.accumulate(sizes)][:-1]
+    recv = bytearray(sum(sizes))
+    with agent_mod.current().collective("allgather", len(data), "parameter list"):
+        wait_interruptibly(collectives.private_comm().Iallgatherv(
+            [data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
+    return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
+
+
 def check_same_parameters(model: nn.Module) -> None:
     """Every rank must hold the same parameters: name the first difference and the ranks."""
-    mine = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
-    everyone = collectives.private_comm().allgather(mine)
+    mine = [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()]
+    everyone = _allgather_json(mine)
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
