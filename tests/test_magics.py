@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import csv
+import json
+import re
 import stat
 import time
 
@@ -206,6 +209,95 @@ def test_auto_mode(lab):
     assert lab.run("%mpilab auto off").ok
     run = lab.run("print('local')")
     assert run.stdout == "local\n"
+
+
+def test_dashboard_before_any_metrics_is_one_line(lab):
+    run = lab.run("%mpilab dashboard")
+    assert not run.ok and "no training metrics yet" in run.text
+    _assert_one_line_error(run)
+
+
+TRAIN_CELL = """%%ranks
+import torch, time
+model = mpilab.DataParallel(torch.nn.Linear(32, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for step in mpilab.progress(range(12), desc="train"):
+    loss = model(torch.randn(16, 32)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    mpilab.log(loss=loss.item())
+    time.sleep(0.05)
+print("trained")
+"""
+
+
+def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp_path):
+    run = lab.run(TRAIN_CELL)
+    assert run.ok, run.text
+    kinds = [(o["type"], sorted(o["content"].get("data", {}))) for o in run.outputs
+             if o["type"] != "stream"]
+    widget = "application/vnd.jupyter.widget-view+json"
+    assert any(t == "display_data" and widget in mimes for t, mimes in kinds), kinds
+    final = [o for o in run.outputs if o["type"] == "update_display_data"
+             and "mpilab dashboard" in o["content"]["data"].get("text/plain", "")]
+    assert final and "step 12" in final[-1]["content"]["data"]["text/plain"]
+    bars = [o["content"]["data"]["text/plain"] for o in run.outputs
+            if o["type"] in ("display_data", "update_display_data")
+            and o["content"]["data"].get("text/plain", "").startswith("train:")]
+    assert bars and bars[-1].startswith("train: 12/12")
+
+    csv_path, json_path, trace_path = (tmp_path / n for n in ("run.csv", "run.json", "t.json"))
+    assert lab.run(f"%mpilab metrics --save {csv_path}").ok
+    assert lab.run(f"%mpilab metrics --save {json_path}").ok
+    assert lab.run(f"%mpilab trace --save {trace_path}").ok
+    records = json.loads(json_path.read_text())["records"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert {r["rank"] for r in steps} == {0, 1}
+    assert max(r["step"] for r in steps) == 12
+    assert all(r["nbytes"] > 0 and r["samples"] == 16 and r["dur"] > 0 for r in steps)
+    assert any("loss" in r for r in records if r["kind"] == "log")
+    rows = list(csv.DictReader(csv_path.open()))
+    assert len(rows) == len(records) and {"kind", "rank", "step", "loss"} <= set(rows[0])
+    trace = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert {e["pid"] for e in spans} == {0, 1}
+    assert all(e["dur"] >= 0 and e["cat"] in ("comm", "compute") for e in spans)
+
+    dash = lab.run("%mpilab dashboard")
+    assert dash.ok and "mpilab dashboard: 2 ranks, step 12" in dash.text
+
+
+def test_status_lists_every_rank(lab):
+    run = lab.run("%mpilab status")
+    assert run.ok, run.text
+    lines = run.text.strip().splitlines()
+    assert lines[0].split()[:4] == ["rank", "host", "pid", "device"]
+    assert [ln.split()[0] for ln in lines[1:]] == ["0", "1"]
+    assert all("idle" in ln for ln in lines[1:])
+
+
+def test_bench_shows_table_and_plot(lab):
+    run = lab.run("%mpilab bench allreduce --sizes 4K:16K --backends mpi,mpilab", timeout=120)
+    assert run.ok, run.text
+    for backend in ("mpi", "mpilab"):
+        assert re.search(rf"allreduce\s+{backend}\s+4K", run.stdout), run.stdout
+    assert "memory-copy ceiling" in run.stdout
+    plots = [o for o in run.outputs if o["type"] == "display_data"
+             and "application/vnd.plotly.v1+json" in o["content"]["data"]]
+    assert plots
+
+
+@pytest.mark.parametrize("code, message", [
+    ("%mpilab bench allreduce --sizes 4X", "'4X' is not a size like 4K"),
+    ("%mpilab bench reduce", "argument op: invalid choice: 'reduce'"),
+    ("%mpilab bench allreduce --sizes 4K --backends carrier-pigeon",
+     "bench backend 'carrier-pigeon' is not one of"),
+    ("%mpilab metrics --save run.txt", "metrics are saved as .json or .csv"),
+    ("%mpilab trace --save trace.csv", "a trace is saved as .json"),
+])
+def test_bad_metrics_and_bench_input(lab, code, message):
+    run = lab.run(code)
+    assert not run.ok and message in run.text, run.text
+    _assert_one_line_error(run)
 
 
 def test_stop_leaves_no_process(lab):
