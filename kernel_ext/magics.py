@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import threading
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
@@ -195,6 +196,17 @@ def load(ipython) -> None:
     session = Session.instance()
     ipython.register_magics(MpilabMagics(ipython, session))
     atexit.register(session.shutdown)
+    # plotly's widget module takes seconds to import: do it now, off the main thread,
+    # so the first dashboard does not stall a training cell's output
+    threading.Thread(target=_warm_widgets, name="mpilab-warm", daemon=True).start()
+
+
+def _warm_widgets() -> None:
+    import mpilab.widgets.dashboard  # noqa: F401
+    import plotly.basewidget  # noqa: F401
+    from plotly.subplots import make_subplots
+
+    make_subplots(rows=2, cols=2)
 
 
 def unload(ipython) -> None:

@@ -18,7 +18,7 @@ from .cluster import ClusterError, RankCluster
 from .live import LiveViews
 from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog
 
-TICK_S = 0.1  # relay cadence: output reaches the notebook within ~0.1 s
+TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
 INTERRUPT_GRACE_S = 3.0
 OUTPUT_TRAIL_S = 5.0

@@ -1,0 +1,110 @@
+"""What watching costs: DataParallel training with the record channel and dashboard on
+against off, and the latency from a record on a rank to the dashboard's data.
+
+One notebook kernel, one 2-rank cluster; on and off alternate, median of several
+repetitions. "Off" pauses the agent's records (heartbeats stay: the watchdog needs
+them) and runs the cell with --no-dashboard.
+
+    .venv/bin/python benchmarks/bench_overhead.py [--reps 5] [--steps 60]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from kernel import Kernel  # noqa: E402
+
+SETUP = """%%ranks
+import time, torch
+from mpilab.rank import agent as _agent
+torch.manual_seed(0)
+model = mpilab.DataParallel(torch.nn.Sequential(
+    torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 512)))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+data = torch.randn(64, 512)
+def train(steps, watched):
+    a = _agent.current()
+    address = a.address
+    if not watched:
+        a.address = None  # emit() drops records; the heartbeat thread goes on
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            loss = model(data).pow(2).mean()
+            opt.zero_grad(); loss.backward(); opt.step()
+            mpilab.log(loss=loss.item())
+        return steps * 64 * world_size / (time.perf_counter() - start)
+    finally:
+        a.address = address
+"""
+
+LATENCY_PROBE = """
+import time
+import mpilab.widgets.dashboard as _d
+_latencies, _seen = [], set()
+_refresh = _d.Dashboard.refresh
+def _timed_refresh(self, force=False):
+    drawn = _refresh(self, force)
+    if drawn:
+        now = time.time()
+        for rec in self.store.records("log", since=self.since):
+            key = (rec["r"], rec["step"], rec["t"])
+            if key not in _seen:
+                _seen.add(key)
+                _latencies.append(now - rec["t"])
+    return drawn
+_d.Dashboard.refresh = _timed_refresh
+"""
+
+
+def samples_per_s(kernel: Kernel, steps: int, watched: bool) -> float:
+    flags = "" if watched else " --no-dashboard"
+    run = kernel.run(f"%%ranks 0-1{flags}\nrate = train({steps}, {watched})\nprint(round(rate))",
+                     timeout=600)
+    if not run.ok:
+        raise SystemExit(run.text)
+    rates = [float(line.split()[-1]) for line in run.stdout.splitlines() if line.strip()]
+    return min(rates)  # the ranks step together; the slower one sets the pace
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    args = parser.parse_args()
+    kernel = Kernel()
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        assert kernel.run("%mpilab start -n 2", timeout=300).ok
+        assert kernel.run(SETUP).ok
+        assert kernel.run(LATENCY_PROBE).ok
+        samples_per_s(kernel, 10, True)  # warm-up
+        rates: dict[bool, list[float]] = {True: [], False: []}
+        for _ in range(args.reps):
+            for watched in (True, False):
+                rates[watched].append(samples_per_s(kernel, args.steps, watched))
+        latency = kernel.run("import json\nprint(json.dumps(_latencies))")
+        latencies = sorted(json.loads(latency.stdout.strip().splitlines()[-1]))
+        kernel.run("%mpilab stop", timeout=120)
+    finally:
+        kernel.shutdown()
+    on, off = statistics.median(rates[True]), statistics.median(rates[False])
+    print(f"DataParallel MLP (1.05M parameters), 2 ranks, {args.steps} steps, "
+          f"{args.reps} alternating repetitions")
+    print(f"  watched (records + dashboard)  median {on:9.1f} samples/s")
+    print(f"  unwatched                      median {off:9.1f} samples/s")
+    print(f"  throughput cost {100 * (1 - on / off):+.1f}% (target <= 2%)")
+    if latencies:
+        p50 = statistics.median(latencies) * 1e3
+        p95 = latencies[min(len(latencies) - 1, int(0.95 * len(latencies)))] * 1e3
+        print(f"  record -> dashboard data: median {p50:.0f} ms, p95 {p95:.0f} ms "
+              f"over {len(latencies)} records (target p95 <= 300 ms)")
+
+
+if __name__ == "__main__":
+    main()
