@@ -308,9 +308,14 @@ class _MPIGradSync:
         self._launch_ready()
         self.next_bucket = 0
         wait_start = time.perf_counter()
-        for bucket in self.buckets:
-            while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
-                waiting.check_abort()
+        # The training thread's wait is what the heartbeats and the watchdog see (the
+        # comm thread's buckets only leave spans): one numbered collective per step.
+        nbytes = sum(b.nbytes for b in self.buckets)
+        with agent_mod.current().collective("dp_allreduce", nbytes,
+                                            f"buckets={len(self.buckets)}"):
+            for bucket in self.buckets:
+                while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
+                    waiting.check_abort()
         exposed = time.perf_counter() - wait_start
         errors = [b.error for b in self.buckets if b.error is not None]
         for bucket in self.buckets:
@@ -369,6 +374,7 @@ class _TimedHook:
         self.pending = False
         self.backward_done = 0.0
         self.bucket_times: list[float] = []
+        self.waiting: contextlib.AbstractContextManager | None = None
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations against its own
         """The comm hook DDP calls for every bucket."""
@@ -387,11 +393,21 @@ class _TimedHook:
         return self.inner(state, bucket).then(done)
 
     def _backward_done(self) -> None:
-        # Queued before DDP's own finalize: queue one more callback to run after it.
+        # Queued before DDP's own finalize: queue one more callback to run after it, and
+        # show the heartbeats that this rank now waits in DDP's allreduce.
         self.backward_done = time.perf_counter()
+        self._stop_waiting()  # a step that failed half-way never reached _synced
+        self.waiting = agent_mod.current().collective("ddp_allreduce", self.clock.nbytes)
+        self.waiting.__enter__()
         torch.autograd.Variable._execution_engine.queue_callback(self._synced)
 
+    def _stop_waiting(self) -> None:
+        if self.waiting is not None:
+            self.waiting.__exit__(None, None, None)
+            self.waiting = None
+
     def _synced(self) -> None:
+        self._stop_waiting()
         self.pending = False
         self.clock.comm_s += sum(self.bucket_times)
         self.bucket_times.clear()
