@@ -29,6 +29,10 @@ _RANK_API = {
     "load_checkpoint": ".rank.checkpoint",
     "LocalSGD": ".rank.strategies",
     "EASGD": ".rank.strategies",
+    "PowerSGD": ".rank.compression",
+    "TopK": ".rank.compression",
+    "ScaledLR": ".rank.large_batch",
+    "LARS": ".rank.large_batch",
 }
 
 __all__ = sorted(_RANK_API) + ["load_ipython_extension", "unload_ipython_extension"]

@@ -1,0 +1,265 @@
+"""Training strategies on a real 2-rank cluster: LocalSGD, EASGD, compressed DataParallel.
+
+Two mpiexec runs (module fixtures) hold every rank-side check; the tests read their
+reports. Plus unit tests of the large-batch optimizer wrappers and of bad input.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from mpirun import run_ranks
+
+# rank 0 reports everyone's results (long lines from two ranks can interleave)
+_PRELUDE = """
+import torch
+from torch import nn
+from mpilab.rank import agent
+
+records = []
+agent.current().emit = lambda kind, **f: records.append((kind, f))
+
+def report_all(obj):
+    everyone = ctx.comm.gather(obj, root=0)
+    if ctx.rank == 0:
+        report(everyone)
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+def spread(model):
+    # the largest difference between the ranks' parameters
+    everyone = ctx.comm.allgather(flat(model))
+    return max((t - everyone[0]).abs().max().item() for t in everyone)
+
+def error_of(fn):
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+def traffic(kinds=("span",)):
+    # (reported, counted) bytes per step: log records against the collectives' spans
+    pairs, counted = [], 0
+    for kind, f in records:
+        if kind == "span" and f.get("cat") == "comm":
+            counted += f["nbytes"]
+        elif kind == "log" and "bytes_sent" in f["values"]:
+            pairs.append((f["values"]["bytes_sent"], counted))
+            counted = 0
+    return pairs
+"""
+
+_STRATEGIES = _PRELUDE + """
+def make():
+    torch.manual_seed(10 + ctx.rank)  # different on purpose: the wrappers broadcast rank 0's
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+
+g = torch.Generator().manual_seed(2)
+X, Y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+loss_fn = nn.CrossEntropyLoss()
+
+def train(model, steps, after_step=None, lr=0.3):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for k in range(steps):
+        lo = (2 * k + ctx.rank) * 4 % 64  # each rank its own batch of 4
+        opt.zero_grad()
+        loss_fn(model(X[lo:lo + 4]), Y[lo:lo + 4]).backward()
+        opt.step()
+        if after_step:
+            after_step(k + 1)
+    return model
+
+out = {}
+dp = train(mpilab.DataParallel(make()), 8)
+local = train(mpilab.LocalSGD(make(), period=1), 8)
+out["period1_vs_dp"] = (flat(dp) - flat(local)).abs().max().item()
+
+model = mpilab.LocalSGD(make(), period=3)
+spreads = []
+records.clear()
+train(model, 7, lambda k: spreads.append(spread(model)))
+out["period3_spreads"] = spreads
+out["period3_traffic"] = traffic()
+out["period3_ratio"] = [f["values"].get("compression_ratio") for k, f in records if k == "log"]
+out["param_bytes"] = sum(p.numel() * 4 for p in model.parameters())
+
+model = mpilab.LocalSGD(make(), period=4, warmup=2)
+spreads = []
+train(model, 6, lambda k: spreads.append(spread(model)))
+out["warmup_spreads"] = spreads
+
+plain = make()
+mpilab.LocalSGD(plain, period=1)
+model = mpilab.LocalSGD(plain, period=1)  # a rerun cell: replaces the first wrap
+records.clear()
+train(model, 2)
+out["rewrap_logs"] = sum(1 for k, _ in records if k == "log")
+
+# EASGD, one averaging step by hand: lr 0 keeps the ranks where we put them
+model = make()
+easgd = mpilab.EASGD(model, alpha=0.2, period=2)
+c0 = [c.clone() for c in easgd.center]
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(0.1 * (ctx.rank + 1))  # x_i = x̃ + 0.1 (i + 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.0)
+records.clear()
+opt.step()
+moved_early = max((c - c1).abs().max().item() for c, c1 in zip(easgd.center, c0))
+opt.step()
+# x_i ← x_i − α (x_i − x̃) ;  x̃ ← x̃ + α Σ_i (x_i − x̃) = x̃ + 0.2 × (0.1 + 0.2)
+want_x = [c + 0.1 * (ctx.rank + 1) * (1 - 0.2) for c in c0]
+want_c = [c + 0.2 * 0.3 for c in c0]
+out["easgd_before_period"] = moved_early
+out["easgd_x_error"] = max((p - w).abs().max().item() for p, w in zip(model.parameters(), want_x))
+out["easgd_c_error"] = max((c - w).abs().max().item() for c, w in zip(easgd.center, want_c))
+out["easgd_traffic"] = traffic()
+# a real run: the centre is the same on every rank, bit for bit, after every step
+model = mpilab.EASGD(make(), alpha=0.1, period=2)
+centers = []
+def center_spread(k):
+    mine = torch.cat([c.reshape(-1) for c in model.center])
+    everyone = ctx.comm.allgather(mine)
+    centers.append(max((t - everyone[0]).abs().max().item() for t in everyone))
+train(model, 6, center_spread)
+out["easgd_center_spreads"] = centers
+center = model.center_module()
+centre = torch.cat([c.reshape(-1) for c in model.center])
+out["center_module"] = (flat(center) - centre).abs().max().item()
+
+out["errors"] = [
+    error_of(lambda: mpilab.LocalSGD(make(), period=0)),
+    error_of(lambda: mpilab.LocalSGD(make(), warmup=-1)),
+    error_of(lambda: mpilab.EASGD(make(), alpha=0.9)),
+    error_of(lambda: mpilab.LocalSGD(mpilab.DataParallel(make()))),
+    error_of(lambda: mpilab.LocalSGD(make(), backend="nccl2")),
+]
+report_all(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def strategies() -> list[dict]:
+    return run_ranks(_STRATEGIES, timeout=240)[0]
+
+
+def test_local_sgd_period_1_is_data_parallel_with_plain_sgd(strategies):
+    for rank in strategies:
+        assert rank["period1_vs_dp"] < 1e-5
+
+
+def test_local_sgd_ranks_identical_after_each_averaging_step(strategies):
+    for rank in strategies:
+        spreads = rank["period3_spreads"]
+        assert [s == 0.0 for s in spreads] == [False, False, True, False, False, True, False]
+        # warm-up 2 then period 4: averaged after steps 1, 2 and 4
+        assert [s == 0.0 for s in rank["warmup_spreads"]] == [True, True, False, True, False,
+                                                               False]
+
+
+def test_local_sgd_reports_the_bytes_it_sends(strategies):
+    for rank in strategies:
+        param_bytes = rank["param_bytes"]
+        pairs = rank["period3_traffic"]
+        assert [reported for reported, _ in pairs] == [0, 0, param_bytes] * 2 + [0]
+        assert all(reported == counted for reported, counted in pairs)
+        # running ratio against DataParallel's every-step allreduce: 3 after each period
+        assert rank["period3_ratio"][2] == pytest.approx(3.0)
+        assert rank["period3_ratio"][5] == pytest.approx(3.0)
+        assert rank["period3_ratio"][:2] == [None, None]
+
+
+def test_rewrapping_a_model_replaces_the_earlier_strategy(strategies):
+    assert all(rank["rewrap_logs"] == 2 for rank in strategies)
+
+
+def test_easgd_one_step_by_hand(strategies):
+    for rank in strategies:
+        assert rank["easgd_before_period"] == 0.0  # nothing moves between averaging steps
+        assert rank["easgd_x_error"] < 1e-6
+        assert rank["easgd_c_error"] < 1e-6
+        pairs = rank["easgd_traffic"]
+        assert pairs[0] == [0, 0] and pairs[1][0] > 0
+        assert all(reported == counted for reported, counted in pairs)
+
+
+def test_easgd_centre_identical_on_all_ranks(strategies):
+    for rank in strategies:
+        assert rank["easgd_center_spreads"] == [0.0] * 6
+        assert rank["center_module"] == 0.0
+
+
+def test_strategies_reject_bad_input(strategies):
+    period, warmup, alpha, wrapped, backend = strategies[0]["errors"]
+    assert period == "ValueError: LocalSGD: period must be a positive whole number of " \
+                     "steps, got 0"
+    assert warmup.startswith("ValueError: LocalSGD: warmup must be")
+    assert alpha.startswith("ValueError: EASGD: alpha must satisfy 0 < alpha × ranks ≤ 1")
+    assert "already wrapped by DataParallel" in wrapped
+    assert "backend 'nccl2' is not one of" in backend
+
+
+# ------------------------------------------------------------------ large-batch helpers
+def test_scaled_lr_warms_up_linearly_to_the_scaled_rate():
+    from mpilab.rank.large_batch import ScaledLR
+
+    p = torch.nn.Parameter(torch.zeros(2))
+    opt = ScaledLR(torch.optim.SGD([p], lr=0.1), scale=4, warmup_steps=3)
+    rates = []
+    for _ in range(5):
+        rates.append(opt.param_groups[0]["lr"])
+        p.grad = torch.ones(2)
+        opt.step()
+    assert rates == pytest.approx([0.1, 0.2, 0.3, 0.4, 0.4])
+    state = opt.state_dict()
+    again = ScaledLR(torch.optim.SGD([p], lr=0.1), scale=4, warmup_steps=3)
+    again.load_state_dict(state)
+    assert again.param_groups[0]["lr"] == pytest.approx(0.4)
+
+
+def test_lars_scales_each_layer_by_its_trust_ratio():
+    from mpilab.rank.large_batch import LARS
+
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))  # ‖w‖ = 5
+    b = torch.nn.Parameter(torch.tensor([1.0]))
+    opt = LARS(torch.optim.SGD([{"params": [w], "weight_decay": 0.1}, {"params": [b]}], lr=1.0),
+               trust_coefficient=0.01)
+    w.grad, b.grad = torch.tensor([0.0, 10.0]), torch.tensor([2.0])  # ‖g‖ = 10, 2
+    opt.step()
+    local_w = 0.01 * 5 / (10 + 0.1 * 5)
+    w0 = torch.tensor([3.0, 4.0])
+    expected_w = w0 - local_w * (torch.tensor([0.0, 10.0]) + 0.1 * w0)
+    assert torch.allclose(w.detach(), expected_w, atol=1e-6)
+    local_b = 0.01 * 1 / 2  # no weight decay in b's group
+    assert torch.allclose(b.detach(), torch.tensor([1.0 - local_b * 2]), atol=1e-6)
+    assert opt.param_groups[0]["weight_decay"] == 0.1  # restored after the step
+
+
+def test_large_batch_wrappers_reject_bad_input():
+    from mpilab.rank.large_batch import LARS, ScaledLR
+
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(ValueError, match="scale must be positive"):
+        ScaledLR(opt, scale=0)
+    with pytest.raises(ValueError, match="warmup_steps must be a whole number"):
+        ScaledLR(opt, scale=2, warmup_steps=1.5)
+    with pytest.raises(ValueError, match="trust_coefficient must be positive"):
+        LARS(opt, trust_coefficient=0)
+    with pytest.raises(TypeError, match="wraps a torch optimizer, not str"):
+        LARS("sgd")
+
+
+def test_compression_settings_reject_bad_input():
+    from mpilab.rank.compression import PowerSGD, TopK, resolve
+
+    assert resolve("topk") == TopK(ratio=0.01) and resolve("powersgd") == PowerSGD(rank=2)
+    assert resolve(TopK(0.1)) == TopK(0.1) and resolve("fp16") == "fp16" and resolve(None) is None
+    with pytest.raises(ValueError, match="compression 'zip' is not None, 'fp16'"):
+        resolve("zip")
+    with pytest.raises(ValueError, match="TopK ratio must be in"):
+        TopK(ratio=0)
+    with pytest.raises(ValueError, match="PowerSGD rank must be a positive integer"):
+        PowerSGD(rank=0)
+    with pytest.raises(ValueError, match="dense_steps must be an integer ≥ 2"):
+        PowerSGD(dense_steps=1)
