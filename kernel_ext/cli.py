@@ -36,6 +36,8 @@ def cmd_lab(args) -> int:
     env = {**os.environ, "IPYTHONDIR": str(kernel_ipython_dir())}
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={notebook.parent}",
            f"--LabApp.default_url=/lab/tree/{notebook.name}", *args.lab_args]
+    if os.geteuid() == 0:  # containers and CI machines run as root; JupyterLab refuses
+        cmd.append("--allow-root")
     return subprocess.call(cmd, env=env)
 
 
@@ -183,8 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     lab = sub.add_parser("lab", help="JupyterLab with mpilab loaded and the examples open")
-    lab.add_argument("notebook", nargs="?")
-    lab.add_argument("lab_args", nargs=argparse.REMAINDER, help="passed to jupyter lab")
+    lab.add_argument("notebook", nargs="?", help="default: the quickstart; other options "
+                     "(e.g. --ServerApp.port=9999) go to jupyter lab")
     lab.set_defaults(func=cmd_lab)
 
     run = sub.add_parser("run", help="execute a notebook headless, with its ranks")
@@ -205,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     doctor = sub.add_parser("doctor", help="check MPI, torch and devices")
     doctor.set_defaults(func=cmd_doctor)
 
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.command != "lab":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.lab_args = extra
     return args.func(args)
 
 

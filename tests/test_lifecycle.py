@@ -74,3 +74,36 @@ def test_run_missing_notebook_is_one_line():
     proc = subprocess.run([MPILAB, "run", "nope.ipynb"], capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "mpilab: nope.ipynb: no such notebook"
+
+
+def test_mpilab_lab_serves_the_examples(tmp_path):
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**__import__("os").environ, "MPILAB_HOME": str(tmp_path)}
+    proc = subprocess.Popen([MPILAB, "lab", f"--ServerApp.port={port}",
+                             "--ServerApp.ip=127.0.0.1", "--no-browser",
+                             "--IdentityProvider.token=t0ken"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}/api/contents?token=t0ken"
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    listing = __import__("json").load(response)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "mpilab lab did not answer"
+                time.sleep(0.5)
+        names = {item["name"] for item in listing["content"]}
+        assert "01_quickstart.ipynb" in names
+        config = tmp_path / "ipython" / "profile_default" / "ipython_kernel_config.py"
+        assert '"mpilab"' in config.read_text()  # every kernel of this server loads mpilab
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
