@@ -47,7 +47,22 @@ class Lab:
         self.root, self.port, self.token = root, port, token
 
     def url(self, notebook: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}"
+        """The notebook in a workspace of its own: no tabs of earlier tests come back."""
+        workspace = Path(notebook).stem
+        return (f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/{notebook}"
+                f"?token={self.token}")
+
+    def shutdown_kernels(self) -> None:
+        """Through the REST API, as JupyterLab's own "Shut Down All Kernels" does; the
+        mpilab extension stops a kernel's ranks when the kernel shuts down."""
+        api = f"http://127.0.0.1:{self.port}/api/kernels"
+        headers = {"Authorization": f"token {self.token}"}
+        with urllib.request.urlopen(urllib.request.Request(api, headers=headers)) as r:
+            kernels = json.load(r)
+        for kernel in kernels:
+            request = urllib.request.Request(f"{api}/{kernel['id']}", method="DELETE",
+                                             headers=headers)
+            urllib.request.urlopen(request).close()
 
     def write_notebook(self, name: str, cells: list[str]) -> str:
         nb = nbformat.v4.new_notebook()
@@ -128,7 +143,7 @@ def browser():
 
 
 @pytest.fixture
-def page(browser, request):
+def page(browser, lab, request):
     BUILD.mkdir(exist_ok=True)
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
@@ -138,6 +153,7 @@ def page(browser, request):
         # the last state of the page, for when a test fails (in CI, the only clue)
         page.screenshot(path=str(BUILD / f"{request.node.name}-last.png"), full_page=True)
         context.close()
+        lab.shutdown_kernels()  # the next test starts on a quiet machine
 
 
 # -- driving a notebook --------------------------------------------------------------------
@@ -208,13 +224,19 @@ def watch_growth(page, index: int, while_, timeout_s: float = 60) -> list[int]:
     return seen
 
 
-def screenshot(page, name: str, index: int, output: int = 0, plots_only: bool = False) -> Path:
-    """One output of a cell, scrolled into view (JupyterLab scrolls inside its panel)."""
+def screenshot(page, name: str, index: int, output: int = 0, plot: int | None = None) -> Path:
+    """One output of a cell (or the output holding its `plot`-th plot), scrolled into
+    view first: JupyterLab scrolls inside its own panel, not the page."""
     path = BUILD / f"{name}.png"
-    outputs = cell(page, index).locator(".jp-OutputArea-output")
-    if plots_only:
-        outputs = outputs.filter(has=page.locator(".js-plotly-plot"))
-    target = outputs.nth(output)
+    if plot is not None:
+        output = page.evaluate(
+            """([i, k]) => {
+                 const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+                 const target = cell.querySelectorAll('.js-plotly-plot')[k];
+                 return [...cell.querySelectorAll('.jp-OutputArea-output')]
+                          .findIndex(o => o.contains(target)); }""", [index, plot])
+        assert output >= 0, f"plot {plot} of cell {index} is in no output"
+    target = cell(page, index).locator(".jp-OutputArea-output").nth(output)
     target.scroll_into_view_if_needed()
     target.screenshot(path=str(path))
     return path
@@ -305,8 +327,8 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     assert seen == sorted(seen)
     wait_cell_done(page, 1)
     lengths = trace_lengths(page, 1)[0]
-    # throughput x2 + total, 2 bars (2 ranks each), bandwidth x2, loss
-    assert lengths == [FED_STEPS] * 3 + [2, 2] + [FED_STEPS] * 3, lengths
+    # throughput x2 + total (without the warm-up step), 2 bars (2 ranks), bandwidth x2, loss
+    assert lengths == [FED_STEPS - 1] * 3 + [2, 2] + [FED_STEPS] * 3, lengths
     screenshot(page, "widget_dashboard", 1)
 
     # a blocking cell that refreshes on the main thread, as the runner does
@@ -316,7 +338,7 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     assert len(seen) >= 2 and seen == sorted(seen), \
         f"the plot did not grow while the cell was running: {seen}"
     wait_cell_done(page, 2)
-    assert trace_lengths(page, 2)[0][0] == 100
+    assert trace_lengths(page, 2)[0][0] == 100 - 1
     ticks = page.evaluate("""() => document.querySelectorAll('.jp-Notebook .jp-Cell')[2]
                                .querySelector('.js-plotly-plot')._fullLayout.xaxis2.ticktext""")
     assert ticks == ["rank 0", "rank 1"]  # the final view names the ranks too
@@ -331,7 +353,7 @@ def test_dashboard_widget_renders_and_grows(page, lab):
         ".querySelectorAll('.js-plotly-plot').length == 2")
     bench, static = trace_lengths(page, 3)
     assert bench == [4] * 6
-    assert static == [FED_STEPS + 100] * 3 + [2, 2] + [FED_STEPS + 100] * 3, static
+    assert static == [FED_STEPS + 99] * 3 + [2, 2] + [FED_STEPS + 100] * 3, static
     table = cell(page, 3).locator("table.mpilab-status")
     table.wait_for()
     assert table.locator("tbody tr").count() == 2
@@ -387,15 +409,15 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
     wait_cell_done(page, 1)
     assert "trained 60 steps" in cell(page, 1).locator(".jp-OutputArea").inner_text()
     lengths = trace_lengths(page, 1)[0]
-    assert lengths[0] == lengths[1] == 60, lengths  # every step of both ranks is drawn
-    screenshot(page, "cluster_dashboard", 1, plots_only=True)
+    assert lengths[0] == lengths[1] == 59, lengths  # every step but the warm-up one
+    screenshot(page, "cluster_dashboard", 1, plot=0)
 
     run_cell(page, 2)
     wait_cell_done(page, 2, timeout_s=120)
     wait_for_plot(page, 2)
     bench = trace_lengths(page, 2)[0]
     assert bench and all(n == 9 for n in bench), bench  # 4K, 8K, ... 1M
-    screenshot(page, "cluster_bench", 2, plots_only=True)
+    screenshot(page, "cluster_bench", 2, plot=0)
 
     run_cell(page, 3)
     wait_cell_done(page, 3, timeout_s=60)

@@ -125,7 +125,8 @@ def test_dashboard_figures_from_synthetic_store():
     by_name = {(t.name, t.xaxis): t for t in fig.data}
     # throughput: samples/s per rank, total = sum over ranks
     r0 = by_name[("rank 0", "x")]
-    assert len(r0.x) == 50 and r0.y[0] == pytest.approx(32 / 0.19)
+    assert list(r0.x) == list(range(1, 50))  # step 0 is warm-up
+    assert r0.y[0] == pytest.approx(32 / 0.19)
     total = by_name[("total", "x")]
     assert total.y[0] == pytest.approx(32 / 0.19 + 32 / 0.2)
     # step split: the straggler computes longer, the other rank waits in comm
@@ -147,14 +148,15 @@ def test_dashboard_figures_from_synthetic_store():
 def test_dashboard_total_waits_for_all_ranks_and_since_hides_old_runs():
     store = MetricsStore(world_size=2)
     store.add(step_record(0, 0, t=T0 - 100))  # a previous run
-    for step in (1, 2):
+    for step in (1, 2, 3):
         store.add(step_record(0, step))
-    store.add(step_record(1, 1))
+    for step in (1, 2):
+        store.add(step_record(1, step))
     dash = Dashboard(store, world_size=2, since=T0)
     dash.refresh()
     total = dash.figure.data[2]
-    assert list(total.x) == [1.0]  # step 2: rank 1 has not reported yet
-    assert list(dash.figure.data[0].x) == [1.0, 2.0]
+    assert list(total.x) == [2.0]  # step 3: rank 1 has not reported yet
+    assert list(dash.figure.data[0].x) == [2.0, 3.0]  # step 1 is the run's warm-up
 
 
 def test_dashboard_has_data_only_for_step_or_log_records():
@@ -207,7 +209,7 @@ def test_dashboard_bounds_points_per_trace():
 def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
     dash = Dashboard(filled_store(steps=10), world_size=2)
     bundle = dash.mimebundle()
-    assert len(dash.figure.data[0].x) == 10  # the widget shown has the data already
+    assert len(dash.figure.data[0].x) == 9  # the widget shown has the data (but warm-up)
     assert bundle[WIDGET_VIEW_MIME]["model_id"] == dash.figure.model_id
     assert bundle[WIDGET_VIEW_MIME]["version_major"] == 2
     assert "cdn.plot.ly" in bundle["text/html"] and "Plotly.newPlot" in bundle["text/html"]
@@ -223,7 +225,7 @@ def test_dashboard_final_bundle_is_static_where_no_frontend_showed_the_widget():
     assert WIDGET_VIEW_MIME not in final
     assert set(final) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
     x = final["application/vnd.plotly.v1+json"]["data"][0]["x"]  # plotly.js typed array
-    assert len(np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])) == 10
+    assert len(np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])) == 9
     dash.figure._view_count = 1  # what JupyterLab's widget manager reports
     assert WIDGET_VIEW_MIME in dash.mimebundle(final=True)
 
@@ -238,7 +240,7 @@ def test_dashboard_refresh_from_a_thread():
     thread = threading.Thread(target=lambda: done.append(dash.refresh()))
     thread.start()
     thread.join()
-    assert done == [True] and len(dash.figure.data[0].x) == 5
+    assert done == [True] and len(dash.figure.data[0].x) == 4
 
 
 # -- status ------------------------------------------------------------------------------
@@ -294,6 +296,7 @@ def test_bench_figure():
     assert [t.name for t in lines] == ["mpi", "mpi", "gloo", "gloo"]
     assert [t.showlegend for t in lines] == [True, False, True, False]
     assert fig.layout.xaxis.type == "log" and fig.layout.xaxis2.type == "log"
+    assert fig.layout.yaxis.type == "log"
     assert list(fig.layout.xaxis.ticktext) == ["4K", "64K", "1M"]
     ceilings = [s for s in fig.layout.shapes if s.y0 == s.y1 == 12.5]
     assert len(ceilings) == 2

@@ -58,14 +58,17 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
     ticks = ticks[::max(1, -(-len(ticks) // MAX_TICKS))]
     fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
                      ticktext=[human_bytes(t) for t in ticks])
-    fig.update_yaxes(title_text="GB/s", rangemode="tozero", row=1, col=1)
+    # log: small messages are latency-bound, 100× below the large ones
+    fig.update_yaxes(type="log", dtick=1)
+    fig.update_yaxes(title_text="GB/s", row=1, col=1)
     if notes:
         fig.add_annotation(text="not measured: " + "; ".join(notes), showarrow=False,
-                           xref="paper", yref="paper", x=0, y=-0.22, xanchor="left",
+                           xref="paper", yref="paper", x=0, y=-0.25, xanchor="left",
+                           yanchor="top",
                            font={"color": "gray"})
     fig.update_layout(title={"text": f"{', '.join(ops) or 'collective'} bandwidth", "x": 0.01},
                       height=420, template="plotly_white",
-                      margin={"t": 70, "b": 50, "l": 60, "r": 20})
+                      margin={"t": 70, "b": 90 if notes else 50, "l": 60, "r": 20})
     return fig
 
 

@@ -164,7 +164,7 @@ class Dashboard:
         fig.update_xaxes(title_text="step", row=2, col=1)
         fig.update_xaxes(title_text="step", row=2, col=2)
         # log: a rank that waits for a straggler "achieves" 100× less than the straggler
-        fig.update_yaxes(type="log", row=2, col=2)
+        fig.update_yaxes(type="log", dtick=1, row=2, col=2)  # a label per decade
         fig.update_xaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=1, col=2)
         return fig
 
@@ -207,6 +207,7 @@ class Dashboard:
             nbytes = np.array([rec["nbytes"] for rec in recs], dtype=float)
             samples = np.array([rec["samples"] for rec in recs], dtype=float)
             ok = dur > 0
+            ok[0] &= len(ok) == 1  # a run's first step is warm-up: it would dwarf the rest
             snap.throughput[r] = (steps[ok], samples[ok] / dur[ok])
             for step, rate in zip(*snap.throughput[r], strict=True):
                 by_step[int(step)].append(rate)
