@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,40 @@ class TrafficMeter:
         if self.sent:
             values["compression_ratio"] = self.ratio
         agent_mod.current().emit("log", step=int(step), values=values)
+
+
+@dataclass
+class Traffic:
+    """What this rank's training steps sent inside a ``traffic()`` block."""
+
+    nbytes: int = 0
+    steps: int = 0
+
+
+@contextmanager
+def traffic() -> Iterator[Traffic]:
+    """Count the bytes this rank's training steps send inside the block, whatever the
+    strategy (DataParallel, compressed or not, LocalSGD, EASGD): the sum of the ``nbytes``
+    of their "step" records. For comparing strategies side by side in one notebook."""
+    agent = agent_mod.current()
+    own = agent.__dict__.get("emit")  # an instance-level emit (tests) is kept
+    inner = agent.emit
+    counted = Traffic()
+
+    def emit(kind: str, **fields: Any) -> None:
+        if kind == "step":
+            counted.nbytes += int(fields["nbytes"])
+            counted.steps += 1
+        inner(kind, **fields)
+
+    agent.emit = emit
+    try:
+        yield counted
+    finally:
+        if own is None:
+            del agent.emit
+        else:
+            agent.emit = own
 
 
 # ------------------------------------------------------------------------- compressors
