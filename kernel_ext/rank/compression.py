@@ -98,8 +98,8 @@ class TrafficMeter:
     """Bytes sent per step and the running compression ratio, as "log" records.
 
     The ratio compares with uncompressed DataParallel over the same steps: every
-    gradient allreduced, in its own dtype, every step (`dense_bytes` per step).
-    A step that sent nothing has no ratio yet only until something is sent.
+    gradient allreduced, in its own dtype, every step (`dense_bytes` per step). Until
+    something has been sent there is no ratio: the records carry ``bytes_sent`` only.
     """
 
     dense_bytes: int
@@ -271,9 +271,6 @@ class CompressedGradSync:
             handle.remove()
         model.__dict__["_mpilab_grad_hooks"] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-
-    def reset(self) -> None:
-        self.pending = False
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self.enabled and not self.pending:

@@ -39,7 +39,12 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
 
 
 class _Averaging(nn.Module):
-    """What LocalSGD and EASGD share: wrapping, step detection, reporting."""
+    """What LocalSGD and EASGD share: wrapping, step detection, reporting.
+
+    Like DataParallel: move the model to its device before wrapping it (rank 0's weights
+    are broadcast then), and wrapping the same model again replaces the earlier wrap.
+    Every rank must take the same number of optimizer steps.
+    """
 
     def __init__(self, model: nn.Module, period: int, backend: str):
         super().__init__()
@@ -76,8 +81,9 @@ class _Averaging(nn.Module):
         for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
             handle.remove()
         earlier = model.__dict__.get("_mpilab_strategy")
-        if earlier is not None and earlier() is not None:
-            _live.discard(earlier())
+        earlier = earlier() if earlier is not None else None
+        if earlier is not None:
+            _live.discard(earlier)
         model.__dict__["_mpilab_strategy"] = weakref.ref(self)
         _live.add(self)
         if _hook is None:
