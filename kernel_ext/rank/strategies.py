@@ -81,10 +81,11 @@ class _Averaging(nn.Module):
         for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
             handle.remove()
         earlier = model.__dict__.get("_mpilab_strategy")
-        earlier = earlier() if earlier is not None else None
         if earlier is not None:
             _live.discard(earlier)
-        model.__dict__["_mpilab_strategy"] = weakref.ref(self)
+        # the model keeps its strategy alive: `LocalSGD(net)` works without keeping the
+        # wrapper (a plain __dict__ entry, so not a submodule of the model)
+        model.__dict__["_mpilab_strategy"] = self
         _live.add(self)
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_after_optimizer_step)
@@ -107,6 +108,9 @@ class _Averaging(nn.Module):
         raise NotImplementedError
 
     def _after_step(self) -> None:
+        if "_mpilab_grad_hooks" in self.module.__dict__:  # DataParallel wrapped it since
+            _live.discard(self)
+            return
         self.steps += 1
         nbytes, comm_s = 0, 0.0
         if self._due(self.steps):
@@ -204,7 +208,7 @@ class EASGD(_Averaging):
 
     def center_module(self) -> nn.Module:
         """A copy of the model holding the centre variable (what EASGD evaluates)."""
-        clone = copy.deepcopy(self.module)
+        clone = copy.deepcopy(self.module, memo={id(self): None})  # not this wrapper
         clone.__dict__.pop("_mpilab_strategy", None)
         params = [p for p in clone.parameters() if p.requires_grad]
         state = params + [b for b in clone.buffers() if b.is_floating_point()]
