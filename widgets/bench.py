@@ -49,12 +49,16 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
                 showlegend=col == 1, mode="lines+markers", line={"color": rank_color(i)},
                 text=hover, hovertemplate=f"{backend} %{{text}}<br>%{{y:.2f}} GB/s<extra></extra>",
             ), row=1, col=col)
-    if memcpy_gbps:
-        for col in (1, 2):
-            fig.add_hline(y=memcpy_gbps, line_dash="dash", line_color="gray", row=1, col=col,
-                          annotation_text=f"memcpy {memcpy_gbps:.1f} GB/s",
-                          annotation_position="top left")
     ticks = sorted({row["size_bytes"] for row in rows})
+    if memcpy_gbps and ticks:
+        # a trace, not add_hline: its annotation lands at 10^y on a log axis
+        for col in (1, 2):
+            fig.add_trace(go.Scatter(
+                x=[ticks[0], ticks[-1]], y=[memcpy_gbps] * 2, mode="lines",
+                name=f"memcpy ceiling {memcpy_gbps:.1f} GB/s", legendgroup="memcpy",
+                showlegend=col == 1, line={"color": "gray", "dash": "dash"},
+                hovertemplate="memcpy %{y:.2f} GB/s<extra></extra>",
+            ), row=1, col=col)
     ticks = ticks[::max(1, -(-len(ticks) // MAX_TICKS))]
     fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
                      ticktext=[human_bytes(t) for t in ticks])
