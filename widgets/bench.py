@@ -63,7 +63,7 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
     fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
                      ticktext=[human_bytes(t) for t in ticks])
     # log: small messages are latency-bound, 100× below the large ones
-    fig.update_yaxes(type="log", dtick=1)
+    fig.update_yaxes(type="log", dtick=1, exponentformat="none")  # 0.001, not 1m
     fig.update_yaxes(title_text="GB/s", row=1, col=1)
     if notes:
         fig.add_annotation(text="not measured: " + "; ".join(notes), showarrow=False,

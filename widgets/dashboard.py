@@ -163,8 +163,8 @@ class Dashboard:
         fig.update_xaxes(title_text="step", row=1, col=1)
         fig.update_xaxes(title_text="step", row=2, col=1)
         fig.update_xaxes(title_text="step", row=2, col=2)
-        # log: a rank that waits for a straggler "achieves" 100× less than the straggler
-        fig.update_yaxes(type="log", dtick=1, row=2, col=2)  # a label per decade
+        # log, a label per decade: a rank that waits for a straggler "achieves" 100× less
+        fig.update_yaxes(type="log", dtick=1, exponentformat="none", row=2, col=2)
         fig.update_xaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=1, col=2)
         return fig
 
