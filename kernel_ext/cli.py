@@ -54,7 +54,10 @@ def cmd_run(args) -> int:
         nb = nbformat.read(source, as_version=4)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets one line
         return _fail(f"{source}: not a readable notebook ({e})")
+    # no widget state in the saved notebook: each live dashboard would add megabytes,
+    # and its static plot (the cell's final output) is what a reader of the file needs
     client = NotebookClient(nb, timeout=args.cell_timeout, kernel_name="python3",
+                            store_widget_state=False,
                             resources={"metadata": {"path": str(source.parent.resolve())}})
     status = 0
     try:

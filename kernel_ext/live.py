@@ -27,10 +27,9 @@ class LiveViews:
         self._version = -1
 
     def tick(self) -> None:
-        if self.store.version == self._version:
-            return  # nothing new arrived since the last tick
-        self._version = self.store.version
-        self._progress()
+        if self.store.version != self._version:
+            self._version = self.store.version
+            self._progress()
         dash = self.dashboard
         if dash is None:
             return
@@ -39,7 +38,7 @@ class LiveViews:
                 self._dashboard_id = uuid.uuid4().hex
                 display(dash.mimebundle(), raw=True, display_id=self._dashboard_id)
         else:
-            dash.refresh()
+            dash.refresh()  # cheap when nothing is new; draws what a throttle held back
 
     def finish(self) -> None:
         self._version = -1

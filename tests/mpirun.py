@@ -6,12 +6,12 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
 MPIEXEC = str(VENV_BIN / "mpiexec")
-RESULT_MARK = "@@mpilab-result@@ "
 
 
 def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = None,
@@ -19,15 +19,18 @@ def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = No
     """Run `code` under `mpiexec -n n`; each rank may call `report(obj)` once.
 
     Returns the reported objects ordered by rank. The snippet starts with
-    `import mpilab; ctx = mpilab.init()` already done.
+    `import mpilab; ctx = mpilab.init()` already done. Each rank reports into its own
+    file: mpiexec interleaves lines that ranks print at the same moment.
     """
+    results_dir = tempfile.mkdtemp(prefix="mpilab-ranks-")
     prelude = textwrap.dedent(
         f"""
         import json, sys
         import mpilab
         ctx = mpilab.init()
         def report(obj):
-            print({RESULT_MARK!r} + json.dumps([ctx.rank, obj]), flush=True)
+            with open({results_dir!r} + f"/{{ctx.rank}}.json", "w") as f:
+                json.dump(obj, f)
         """
     )
     full = prelude + textwrap.dedent(code)
@@ -42,10 +45,10 @@ def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = No
             f"stderr:\n{proc.stderr[-4000:]}"
         )
     results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith(RESULT_MARK):
-            rank, obj = json.loads(line[len(RESULT_MARK):])
-            results[rank] = obj
+    for path in Path(results_dir).glob("*.json"):
+        results[int(path.stem)] = json.loads(path.read_text())
+        path.unlink()
+    os.rmdir(results_dir)
     if not check:
         return [results.get(r) for r in range(n)], proc
     return [results.get(r) for r in range(n)]
