@@ -17,6 +17,7 @@ from pathlib import Path
 from .channel import MetricsStore, RecordReceiver
 
 LAUNCHERS = ("mpi", "slurm", "ssh")
+KERNEL_PID_ENV = "MPILAB_KERNEL_PID"
 
 
 class ClusterError(Exception):
@@ -143,6 +144,11 @@ class RankCluster:
             log=_quiet_log(),
             shutdown_atexit=False,  # our Session.shutdown ends everything, by pid, fast
         )
+        # the controller and every engine end themselves if this kernel dies without
+        # stopping them (killed, crashed): they watch its pid
+        os.environ[KERNEL_PID_ENV] = str(os.getpid())
+        cluster.config.LocalControllerLauncher.controller_cmd = [
+            sys.executable, "-m", "mpilab.controller_main"]
         # engines start importing torch while they register (mpilab.rank.engine_main)
         engine_cmd = [sys.executable, "-m", "mpilab.rank.engine_main"]
         for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher", "SSHEngineSetLauncher"):
@@ -213,37 +219,36 @@ class RankCluster:
     def stop(self, fast: bool = False) -> None:
         """Stop engines, controller and receiver; leaves no process behind.
 
-        fast: the kernel is exiting and may be killed in seconds, so skip the polite
-        shutdown and end what was launched, by pid, at once.
+        fast: the kernel is exiting and may be killed within seconds, so end what was
+        launched at once, by pid, and tidy ipyparallel's files ourselves.
         """
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
         self._client = self._ipp_cluster = self._receiver = None
         self.ranks, self.engine_of_rank, self.dead = [], {}, {}
         launched = _launched_processes(cluster) if cluster is not None else []
         if fast:
-            for proc in launched:
+            _kill_survivors(launched, grace=0)
+            if cluster is not None:
+                _remove_cluster_files(cluster)
+        else:
+            if client is not None:
                 try:
-                    proc.terminate()
-                except Exception:  # noqa: BLE001 - already gone
+                    # engines that exit on their own let mpiexec end cleanly and at once
+                    client.shutdown(targets="all", block=False)
+                except Exception:  # noqa: BLE001 - dead engines cannot be asked; killed below
                     pass
-            _kill_survivors(launched, grace=0.5)
-        if client is not None and not fast:
-            try:
-                # engines that exit on their own let mpiexec end cleanly and at once
-                client.shutdown(targets="all", block=False)
-            except Exception:  # noqa: BLE001 - dead engines cannot be asked; killed below
-                pass
-            _wait_for_exit(launched, timeout=5)
+                _wait_for_exit(launched, timeout=5)
+            if cluster is not None:
+                try:
+                    cluster.stop_cluster_sync()
+                except Exception:  # noqa: BLE001 - then kill what we started, by pid
+                    pass
+                _kill_survivors(launched)
+        if client is not None:
             try:
                 client.close()
             except Exception:  # noqa: BLE001 - closing a broken client is fine
                 pass
-        if cluster is not None:
-            try:
-                cluster.stop_cluster_sync()
-            except Exception:  # noqa: BLE001 - then kill what we started, by pid
-                pass
-            _kill_survivors(launched)
         if receiver is not None:
             receiver.close()
 
@@ -333,12 +338,19 @@ def _cmdline(proc) -> list[str]:
         return []
 
 
+def _remove_cluster_files(cluster) -> None:
+    """The cluster and connection files ipyparallel's own stop would have removed."""
+    security = Path(cluster.profile_dir) / "security"
+    for path in security.glob(f"*{cluster.cluster_id}*.json"):
+        path.unlink(missing_ok=True)
+
+
 def _kill_survivors(procs: list, grace: float = 3.0) -> None:
     """Kill, by pid, what ipyparallel's stop left running (after `grace` seconds)."""
     import psutil
 
     alive = [p for p in procs if p.is_running()]
-    if alive:
+    if alive and grace > 0:
         _, alive = psutil.wait_procs(alive, timeout=grace)
     for p in alive:
         try:

@@ -95,6 +95,11 @@ def lab(tmp_path_factory) -> Iterator[Lab]:
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}))
+    # every cell rendered, not only those in view: a test clicks cells as they come
+    notebook_settings = base / "settings" / "@jupyterlab" / "notebook-extension"
+    notebook_settings.mkdir(parents=True)
+    (notebook_settings / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"windowingMode": "none"}))
     log = (base / "lab.log").open("wb")
     proc = subprocess.Popen(
         [str(JUPYTER), "lab", "--no-browser", "--ServerApp.open_browser=False",
@@ -170,7 +175,9 @@ def cell(page, index: int):
 
 def run_cell(page, index: int) -> None:
     """Select the cell (command mode) and run it with Shift+Enter, as a user does."""
-    cell(page, index).locator(".jp-InputPrompt").click()
+    prompt = cell(page, index).locator(".jp-InputPrompt")
+    prompt.scroll_into_view_if_needed(timeout=30_000)
+    prompt.click()
     page.keyboard.press("Shift+Enter")
     page.wait_for_function(
         "i => /\\[[*0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"

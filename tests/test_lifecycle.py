@@ -107,3 +107,21 @@ def test_mpilab_lab_serves_the_examples(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_killed_kernel_leaves_no_ranks_behind():
+    """A kernel that dies without stopping its cluster (SIGKILL): controller and engines
+    notice and end themselves."""
+    kernel = Kernel()
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        assert kernel.run("%mpilab start -n 2", timeout=180).ok
+        kernel_proc = psutil.Process(kernel.km.provisioner.process.pid)
+        tree = kernel_proc.children(recursive=True)
+        assert len(tree) >= 5  # controller (+ schedulers), mpiexec, supervisors, engines
+        kernel_proc.kill()
+        _, alive = psutil.wait_procs(tree, timeout=20)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+    finally:
+        kernel.kc.stop_channels()
+        kernel.km.cleanup_resources()

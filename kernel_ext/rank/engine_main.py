@@ -1,10 +1,11 @@
 """Entry point of a rank's engine process: `python -m mpilab.rank.engine_main --mpi …`.
 
 mpiexec starts this as a small supervisor that runs the real engine as its child and
-waits for it. When the engine dies the supervisor prints how (signal or exit code) to
-the launcher's output, which is where the notebook reads "rank 1 (pid N) died: killed
-by signal 9" from; mpiexec's own report names whichever process it noticed first.
-The engine child imports torch on a thread while ipyparallel registers it.
+waits for it, ending it if the notebook kernel that started the cluster is gone. When
+the engine dies the supervisor prints how (signal or exit code) to the launcher's
+output, which is where the notebook reads "rank 1 (pid N) died: killed by signal 9"
+from; mpiexec's own report names whichever process it noticed first. The engine child
+imports torch on a thread while ipyparallel registers it.
 """
 
 from __future__ import annotations
@@ -12,9 +13,26 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 REPORT_PREFIX = "mpilab-engine-exit"
+WATCH_INTERVAL_S = 0.25
 _CHILD_FLAG = "--mpilab-engine-child"
+
+
+def pid_alive(pid: int) -> bool:
+    """Alive and not a zombie (a killed kernel stays one until its parent reaps it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True  # no /proc (not Linux): existence is all we can tell
 
 
 def _die_with_parent() -> None:
@@ -46,14 +64,19 @@ def supervise(argv: list[str]) -> int:
                                   _CHILD_FLAG, *argv])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: os.kill(child, signum))
+    kernel = int(os.environ.get("MPILAB_KERNEL_PID", "0"))
     while True:
         try:
-            _, status = os.waitpid(child, 0)
-            break
+            pid, status = os.waitpid(child, os.WNOHANG)
         except ChildProcessError:
             return 1
-        except InterruptedError:
-            continue
+        if pid:
+            break
+        if kernel and not pid_alive(kernel):  # the notebook is gone: so are its ranks
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            return 1
+        time.sleep(WATCH_INTERVAL_S)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
