@@ -64,6 +64,7 @@ class MetricsStore:
     heartbeats: dict = field(default_factory=dict)
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
     _buffers: dict = field(default_factory=dict)
+    _unordered: set = field(default_factory=set)  # buffers whose times ever went back
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _buffer(self, kind: str, rank: int) -> collections.deque:
@@ -95,7 +96,10 @@ class MetricsStore:
             if record["k"] == "hb":
                 self.heartbeats[rank] = record
             else:
-                self._buffer(record["k"], rank).append(record)
+                buf = self._buffer(record["k"], rank)
+                if buf and record["t"] < buf[-1]["t"]:
+                    self._unordered.add((record["k"], rank))
+                buf.append(record)
             self.received += 1
             self.version += 1
             return True
@@ -107,8 +111,12 @@ class MetricsStore:
             out = []
             for r in ranks:
                 buf = self._buffers.get((kind, r))
-                if buf:
+                if not buf:
+                    continue
+                if (kind, r) in self._unordered:
                     out.extend(rec for rec in buf if rec["t"] >= since)
+                else:
+                    out.extend(_newer_than(buf, since))
         out.sort(key=lambda rec: rec["t"])
         return out
 
@@ -121,6 +129,7 @@ class MetricsStore:
         """Forget the metrics of the previous run (heartbeats stay)."""
         with self._lock:
             self._buffers.clear()
+            self._unordered.clear()
             self.version += 1
 
     # -- exporters -------------------------------------------------------------------
@@ -166,6 +175,20 @@ class MetricsStore:
         path = Path(path)
         path.write_text(json.dumps(self.chrome_trace()))
         return path
+
+
+def _newer_than(buf: collections.deque, since: float) -> list[dict]:
+    """The records at or after `since` of a time-ordered buffer, scanning back from the
+    newest: a dashboard redraw costs what the current run logged, not the history."""
+    if not since:
+        return list(buf)
+    newer = []
+    for rec in reversed(buf):
+        if rec["t"] < since:
+            break
+        newer.append(rec)
+    newer.reverse()
+    return newer
 
 
 def _refuse_ext(code, data):

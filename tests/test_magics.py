@@ -266,6 +266,18 @@ def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp
     assert dash.ok and "mpilab dashboard: 2 ranks, step 12" in dash.text
 
 
+def test_noblock_training_keeps_its_dashboard_updating(lab):
+    cell = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1))
+    assert cell.ok and cell.finished - cell.started < 1.5
+    messages = [m for m in lab.collect_iopub(8.0) if m["parent"] == cell.msg_id]
+    shown = [m for m in messages if m["type"] == "display_data"
+             and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")]
+    final = [m for m in messages if m["type"] == "update_display_data"
+             and "step 12" in m["content"]["data"].get("text/plain", "")]
+    assert shown and final, [m["type"] for m in messages]
+    assert any("trained" in m["content"].get("text", "") for m in messages)
+
+
 def test_status_lists_every_rank(lab):
     run = lab.run("%mpilab status")
     assert run.ok, run.text
