@@ -11,6 +11,7 @@ import uuid
 from IPython.display import display, update_display
 
 PROGRESS_MIN_INTERVAL_S = 0.25
+CELL_END_WAIT_S = 1.0
 
 
 class LiveViews:
@@ -40,13 +41,26 @@ class LiveViews:
         else:
             dash.refresh()  # cheap when nothing is new; draws what a throttle held back
 
-    def finish(self) -> None:
+    def finish(self, ranks: list[int] | None = None) -> None:
+        """Final drawing; with `ranks`, first wait (briefly) for their last records."""
+        if ranks:
+            self._wait_for_cell_end(ranks)
         self._version = -1
         self._progress(final=True)
         if self._dashboard_id is not None:
             self.dashboard.refresh(force=True)
             update_display(self.dashboard.mimebundle(final=True), raw=True,
                            display_id=self._dashboard_id)
+
+    def _wait_for_cell_end(self, ranks: list[int]) -> None:
+        """Records travel apart from the cell's reply: wait for each rank's end marker."""
+        deadline = time.monotonic() + CELL_END_WAIT_S
+        while time.monotonic() < deadline:
+            ended = {e["r"] for e in self.store.records("event", since=self.started)
+                     if e.get("what") == "cell-end"}
+            if ended.issuperset(ranks):
+                return
+            time.sleep(0.002)
 
     def _progress(self, final: bool = False) -> None:
         events = [e for e in self.store.records("event", rank=0, since=self.started)

@@ -295,7 +295,8 @@ class CellRunner:
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
         pump(final=True)
-        views.finish()
+        ended_normally = ar.ready() and not outcome.dead and not _engines_died(singles)
+        views.finish(ranks if ended_normally else None)
         note = relay.cap_note()
         if note:
             self.write("stderr", note + "\n")

@@ -52,6 +52,9 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
 
     def post_run(result=None):
         state.phase = "idle"
+        # the notebook waits for this marker, so a cell's last records make its plots
+        agent_mod.current().emit("event", what="cell-end", cell=state.cell)
+        agent_mod.current().flush()
 
     for event, hook in (("pre_run_cell", pre_run), ("post_run_cell", post_run)):
         shell.events.register(event, hook)
