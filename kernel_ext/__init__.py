@@ -8,7 +8,7 @@ notebook side is imported on the ranks.
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_names
 
 __version__ = "0.1.0"
 
@@ -39,17 +39,7 @@ _RANK_API = {
 __all__ = sorted(_RANK_API) + ["load_ipython_extension", "unload_ipython_extension"]
 
 
-def __getattr__(name: str):
-    module = _RANK_API.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mpilab' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, globals(), _RANK_API)
 
 
 def load_ipython_extension(ipython) -> None:

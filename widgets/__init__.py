@@ -6,7 +6,7 @@ name below is used, so `%load_ext mpilab` stays fast.
 
 from __future__ import annotations
 
-import importlib
+from mpilab._lazy import lazy_names
 
 # public name -> module that defines it (relative to this package)
 _API = {
@@ -23,14 +23,4 @@ _API = {
 __all__ = sorted(_API)
 
 
-def __getattr__(name: str):
-    module = _API.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mpilab.widgets' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_names(__name__, globals(), _API)
