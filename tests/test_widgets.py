@@ -405,3 +405,18 @@ def test_executed_notebook_and_its_html_keep_a_static_plot(tmp_path):
     assert output["data"]["text/plain"].startswith("mpilab dashboard: 2 ranks, step 19")
     html, _ = HTMLExporter().from_notebook_node(nb)
     assert "cdn.plot.ly" in html and "Plotly.newPlot" in html
+
+
+def test_dashboard_spaces_out_expensive_redraws(monkeypatch):
+    """A long run's redraws get dearer; drawing must stay a small share of the kernel."""
+    store = filled_store(steps=5)
+    dash = Dashboard(store, world_size=2)
+    clock = dash.clock = FakeClock()
+    dash.figure  # noqa: B018 - made up front, as the first display does
+    monkeypatch.setattr(dash, "_apply", lambda *args: time.sleep(0.05))
+    assert dash.refresh()
+    store.add(step_record(0, 5))
+    clock.now += MIN_REDRAW_INTERVAL_S
+    assert not dash.refresh()  # a 50 ms redraw waits at least 10x that
+    clock.now += 0.5
+    assert dash.refresh()

@@ -20,6 +20,7 @@ from plotly.subplots import make_subplots
 from .plotting import WIDGET_VIEW_MIME, downsample, figure_bundle, figure_html, rank_color
 
 MIN_REDRAW_INTERVAL_S = 0.25  # at most 4 redraws a second, whatever the record rate
+REDRAW_BUDGET = 10  # and at least 10x a redraw's own duration between two redraws
 SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # A step's time is compute plus the communication it waited for (the rest overlapped
 # with backward); the stack is the step time, and a straggler's peers wait longest.
@@ -53,6 +54,7 @@ class Dashboard:
         self.world_size = world_size
         self.since = since
         self.redraws = 0
+        self._min_interval = MIN_REDRAW_INTERVAL_S
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -81,7 +83,7 @@ class Dashboard:
         version = self.store.version
         now = self.clock()
         if not force and (version == self._drawn_version
-                          or now - self._drawn_at < MIN_REDRAW_INTERVAL_S):
+                          or now - self._drawn_at < self._min_interval):
             return False
         if not self.has_data():
             return False
@@ -89,8 +91,14 @@ class Dashboard:
             return False  # another thread is drawing this very moment
         try:
             self._drawn_version, self._drawn_at = version, now
-            self._apply(self.figure, self._snapshot(), self._scalar_traces)
+            figure = self.figure  # made once; its first-time cost is not a redraw's
+            started = time.perf_counter()
+            self._apply(figure, self._snapshot(), self._scalar_traces)
             self.redraws += 1
+            # a long run makes redraws dearer: space them so drawing never takes more
+            # than 1/REDRAW_BUDGET of the kernel's time (the ranks may share its cores)
+            cost = time.perf_counter() - started
+            self._min_interval = max(MIN_REDRAW_INTERVAL_S, REDRAW_BUDGET * cost)
         finally:
             self._lock.release()
         return True
