@@ -105,7 +105,11 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
         # Backends take turns at every repetition, so a burst of load on the node hits
         # them alike instead of spoiling one backend's whole series.
         for i in range(_WARMUP + repeats):
-            for b, step in steps.items():
+            # rotate who goes first: a backend that leaves work behind (gloo's threads)
+            # must not always slow the same successor
+            shift = i % len(running) if running else 0
+            for b in running[shift:] + running[:shift]:
+                step = steps[b]
                 wait_interruptibly(comm.Ibarrier())
                 t0 = time.perf_counter()
                 step()
