@@ -7,6 +7,7 @@ records arrived, and each trace is downsampled so a long run stays cheap to draw
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from collections import defaultdict
@@ -26,6 +27,7 @@ SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # with backward); the stack is the step time, and a straggler's peers wait longest.
 SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
 Series = tuple[np.ndarray, np.ndarray]
+_BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 
 
 @dataclass
@@ -141,6 +143,14 @@ class Dashboard:
 
     # -- building ---------------------------------------------------------------------------
     def _base_figure(self) -> go.Figure:
+        """The empty dashboard. Built (and validated by plotly, ~0.1 s) once per world
+        size; later copies skip the validation: a cell's first display stays quick."""
+        cached = _BASE_FIGURES.get(self.world_size)
+        if cached is None:
+            cached = _BASE_FIGURES[self.world_size] = self._build_base_figure().to_plotly_json()
+        return go.Figure(copy.deepcopy(cached), _validate=False)
+
+    def _build_base_figure(self) -> go.Figure:
         fig = make_subplots(
             rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
             subplot_titles=("Throughput (samples/s)",
@@ -186,7 +196,9 @@ class Dashboard:
         w = self.world_size
         for name in snap.scalars:  # add_trace cannot be batched, and is rare
             if name not in scalar_traces:
-                fig.add_trace(go.Scatter(name=name, mode="lines"), row=2, col=1)
+                # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
+                # figure has no subplot grid to look rows and columns up in)
+                fig.add_trace(go.Scatter(name=name, mode="lines", xaxis="x3", yaxis="y3"))
                 scalar_traces[name] = len(fig.data) - 1
         empty = (np.empty(0), np.empty(0))
         with fig.batch_update():
