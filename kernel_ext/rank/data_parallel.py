@@ -35,11 +35,12 @@ from torch import nn
 
 from . import agent as agent_mod
 from . import bootstrap, collectives, waiting
+from .compression import CompressedGradSync, Method, ddp_hook
+from .compression import resolve as resolve_compression
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
 BACKENDS = ("mpi", "torch")
-COMPRESSIONS = (None, "fp16", "bf16")
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -49,15 +50,13 @@ class DataParallelConfig:
 
     backend: str = "mpi"
     bucket_mb: float = 25.0
-    compression: str | None = None
+    compression: str | Method | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"DataParallel backend {self.backend!r} is not one of "
                              f"{', '.join(BACKENDS)}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"DataParallel compression {self.compression!r} is not None, "
-                             "'fp16' or 'bf16'")
+        resolve_compression(self.compression)  # powersgd, topk: see compression.py
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
 
@@ -382,7 +381,8 @@ class _TimedHook:
             self.pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         buffer = bucket.buffer()
-        self.clock.nbytes += buffer.numel() * (self.wire_bytes or buffer.element_size())
+        if self.wire_bytes != 0:  # 0: the inner hook counts its own bytes (compression.py)
+            self.clock.nbytes += buffer.numel() * (self.wire_bytes or buffer.element_size())
         start = time.perf_counter()
         times = self.bucket_times
 
@@ -423,11 +423,15 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
         model, device_ids=[device] if device.type == "cuda" else None,
         bucket_cap_mb=cfg.bucket_mb,
     )
-    inner, wire_bytes = {
-        None: (default_hooks.allreduce_hook, None),
-        "fp16": (default_hooks.fp16_compress_hook, 2),
-        "bf16": (default_hooks.bf16_compress_hook, 2),
-    }[cfg.compression]
+    method = resolve_compression(cfg.compression)
+    if isinstance(method, Method):
+        inner, wire_bytes = ddp_hook(method, model, clock), 0
+    else:
+        inner, wire_bytes = {
+            None: (default_hooks.allreduce_hook, None),
+            "fp16": (default_hooks.fp16_compress_hook, 2),
+            "bf16": (default_hooks.bf16_compress_hook, 2),
+        }[method]
     ddp.register_comm_hook(None, _TimedHook(inner, wire_bytes, clock).hook)
     return ddp
 
@@ -474,11 +478,13 @@ class DataParallel(nn.Module):
     are averaged over ranks by the end of ``backward()``; ``no_sync()`` skips that for
     gradient accumulation. Any torch optimizer works on ``model.parameters()``. Move the
     model to its device before wrapping it; wrapping the same model again (rerunning a
-    cell) replaces the earlier wrap.
+    cell) replaces the earlier wrap. `compression`: None, "fp16" or "bf16" (half-precision
+    gradients on the wire), "powersgd" or "topk" (error feedback; settings through
+    ``mpilab.PowerSGD(rank=…)`` or ``mpilab.TopK(ratio=…)``; see compression.py).
     """
 
     def __init__(self, model: nn.Module, backend: str = "mpi", bucket_mb: float = 25.0,
-                 compression: str | None = None):
+                 compression: str | Method | None = None):
         super().__init__()
         ctx = bootstrap.context()
         self.config = DataParallelConfig(backend, bucket_mb, compression)
@@ -496,7 +502,11 @@ class DataParallel(nn.Module):
                 for tensor in (*model.parameters(), *model.buffers()):
                     collectives.broadcast(tensor.data, root=0, backend="mpi")
             self._ddp = None
-            self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
+            method = resolve_compression(compression)
+            if isinstance(method, Method):
+                self._sync = CompressedGradSync(model, method, self._clock)
+            else:
+                self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._clock.forward(args, kwargs)
