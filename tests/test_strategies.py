@@ -78,7 +78,9 @@ out["period1_vs_dp"] = (flat(dp) - flat(local)).abs().max().item()
 model = mpilab.LocalSGD(make(), period=3)
 spreads = []
 records.clear()
-train(model, 7, lambda k: spreads.append(spread(model)))
+with mpilab.traffic() as counted:
+    train(model, 7, lambda k: spreads.append(spread(model)))
+out["period3_counted"] = [counted.nbytes, counted.steps]
 out["period3_spreads"] = spreads
 out["period3_traffic"] = traffic()
 out["period3_ratio"] = [f["values"].get("compression_ratio") for k, f in records if k == "log"]
@@ -95,6 +97,18 @@ model = mpilab.LocalSGD(plain, period=1)  # a rerun cell: replaces the first wra
 records.clear()
 train(model, 2)
 out["rewrap_logs"] = sum(1 for k, _ in records if k == "log")
+dp = mpilab.DataParallel(plain)  # and DataParallel replaces a strategy
+records.clear()
+train(dp, 2)
+out["replaced_by_dp_logs"] = sum(1 for k, _ in records if k == "log")
+
+import gc
+net = make()
+mpilab.LocalSGD(net, period=2)  # the wrapper is not kept: the model keeps it alive
+gc.collect()
+spreads = []
+train(net, 2, lambda k: spreads.append(spread(net)))
+out["unkept_wrapper_spreads"] = spreads
 
 # EASGD, one averaging step by hand: lr 0 keeps the ranks where we put them
 model = make()
@@ -139,6 +153,62 @@ report_all(out)
 """
 
 
+# Least squares, y = x·A + noise (A is 32×16: a matrix for PowerSGD), full batch split over
+# the ranks, plain SGD: every compression is compared with uncompressed DataParallel.
+_COMPRESSION = _PRELUDE + """
+import torch.distributed as dist
+
+g = torch.Generator().manual_seed(5)
+N, D, O = 256, 32, 16
+X, A = torch.randn(N, D, generator=g), torch.randn(D, O, generator=g)
+Y = X @ A + 0.01 * torch.randn(N, O, generator=g)
+mine = slice(ctx.rank * N // 2, (ctx.rank + 1) * N // 2)
+
+wire = []  # what torch.distributed actually sends (DDP's hooks call these)
+for name in ("all_reduce", "all_gather"):
+    def spy(tensor_or_list, tensor=None, *args, _real=getattr(dist, name), **kwargs):
+        sent = tensor if tensor is not None else tensor_or_list
+        wire.append(sent.numel() * sent.element_size())
+        return _real(tensor_or_list, *args, **kwargs) if tensor is None else \
+            _real(tensor_or_list, tensor, *args, **kwargs)
+    setattr(dist, name, spy)
+
+def least_squares(backend, compression, steps=150):
+    torch.manual_seed(1)
+    model = mpilab.DataParallel(nn.Linear(D, O), backend=backend, compression=compression)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    records.clear()
+    wire.clear()
+    for _ in range(steps):
+        opt.zero_grad()
+        ((model(X[mine]) - Y[mine]) ** 2).sum(1).mean().backward()
+        opt.step()
+    logs = [f["values"] for k, f in records if k == "log"]
+    with torch.no_grad():
+        loss = ((model(X) - Y) ** 2).sum(1).mean().item()
+    return {"loss": loss, "spread": spread(model), "traffic": traffic(), "wire": sum(wire),
+            "reported": sum(v["bytes_sent"] for v in logs),
+            "steps": sum(1 for k, _ in records if k == "step"),
+            "ratio": logs[-1]["compression_ratio"] if logs else None}
+
+out = {}
+for backend in ("mpi", "torch"):
+    for name, compression in [("dense", None), ("powersgd", "powersgd"),
+                              ("topk", mpilab.TopK(ratio=0.05))]:
+        out[f"{backend}-{name}"] = least_squares(backend, compression)
+out["errors"] = [
+    error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), compression="zip")),
+    error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), compression=mpilab.TopK(ratio=2))),
+]
+report_all(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def compression() -> list[dict]:
+    return run_ranks(_COMPRESSION, timeout=240)[0]
+
+
 @pytest.fixture(scope="module")
 def strategies() -> list[dict]:
     return run_ranks(_STRATEGIES, timeout=240)[0]
@@ -168,10 +238,14 @@ def test_local_sgd_reports_the_bytes_it_sends(strategies):
         assert rank["period3_ratio"][2] == pytest.approx(3.0)
         assert rank["period3_ratio"][5] == pytest.approx(3.0)
         assert rank["period3_ratio"][:2] == [None, None]
+        assert rank["period3_counted"] == [2 * param_bytes, 7]  # mpilab.traffic()
 
 
 def test_rewrapping_a_model_replaces_the_earlier_strategy(strategies):
-    assert all(rank["rewrap_logs"] == 2 for rank in strategies)
+    for rank in strategies:
+        assert rank["rewrap_logs"] == 2
+        assert rank["replaced_by_dp_logs"] == 0
+        assert rank["unkept_wrapper_spreads"][1] == 0.0 < rank["unkept_wrapper_spreads"][0]
 
 
 def test_easgd_one_step_by_hand(strategies):
@@ -263,3 +337,45 @@ def test_compression_settings_reject_bad_input():
         PowerSGD(rank=0)
     with pytest.raises(ValueError, match="dense_steps must be an integer ≥ 2"):
         PowerSGD(dense_steps=1)
+
+
+# ------------------------------------------------------------ compressed DataParallel
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("method", ["powersgd", "topk"])
+def test_compression_with_error_feedback_converges_like_uncompressed(compression, backend,
+                                                                      method):
+    """Stated tolerance: the final full-data loss (it starts near 500; the noise floor is
+    0.0016) is within 1e-3 of uncompressed DataParallel's after the same 150 steps."""
+    for rank in compression:
+        dense, run = rank[f"{backend}-dense"], rank[f"{backend}-{method}"]
+        assert dense["loss"] < 2e-3
+        assert abs(run["loss"] - dense["loss"]) < 1e-3, (run["loss"], dense["loss"])
+        assert run["spread"] == 0.0  # every rank applied the same decompressed gradient
+        assert run["steps"] == 150
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+def test_compression_reports_the_bytes_it_sends(compression, backend):
+    for rank in compression:
+        powersgd, topk = rank[f"{backend}-powersgd"], rank[f"{backend}-topk"]
+        # 2 dense steps of the 528 float32 gradients, then P (32×2), Q (16×2), bias (16)
+        assert powersgd["reported"] == 2 * 2112 + 148 * 4 * (64 + 32 + 16)
+        # 5% of 528 entries: 27 float32 values and 27 int32 indices per step
+        assert topk["reported"] == 150 * 27 * 8
+        assert topk["ratio"] == pytest.approx(2112 / 216)
+        assert powersgd["ratio"] == pytest.approx(150 * 2112 / powersgd["reported"])
+        for run in (powersgd, topk):
+            if backend == "mpi":  # per step: the log record against the collectives' spans
+                assert len(run["traffic"]) == 150
+                assert all(reported == counted for reported, counted in run["traffic"])
+            else:  # DDP's hooks send asynchronously: totals, spied on torch.distributed
+                assert run["reported"] == run["wire"]
+    assert rank["torch-dense"]["wire"] == 150 * 2112  # the spy sees what DDP sends
+
+
+def test_data_parallel_rejects_unknown_compression(compression):
+    unknown, ratio = compression[0]["errors"]
+    assert unknown == ("ValueError: DataParallel compression 'zip' is not None, 'fp16', "
+                       "'bf16', 'powersgd', 'topk', mpilab.PowerSGD(rank=…) or "
+                       "mpilab.TopK(ratio=…)")
+    assert ratio == "ValueError: TopK ratio must be in (0, 1], got 2"
