@@ -110,6 +110,19 @@ spreads = []
 train(net, 2, lambda k: spreads.append(spread(net)))
 out["unkept_wrapper_spreads"] = spreads
 
+# the large-batch wrappers around the optimizer: the strategy still sees every step
+model = mpilab.LocalSGD(make(), period=2)
+opt = mpilab.ScaledLR(mpilab.LARS(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)),
+                      warmup_steps=2)
+spreads = []
+for k in range(4):
+    opt.zero_grad()
+    loss_fn(model(X[k * 8 + ctx.rank * 4:][:4]), Y[k * 8 + ctx.rank * 4:][:4]).backward()
+    opt.step()
+    spreads.append(spread(model))
+out["wrapped_optimizer_spreads"] = spreads
+out["wrapped_optimizer_lr"] = opt.param_groups[0]["lr"]
+
 # EASGD, one averaging step by hand: lr 0 keeps the ranks where we put them
 model = make()
 easgd = mpilab.EASGD(model, alpha=0.2, period=2)
@@ -246,6 +259,12 @@ def test_rewrapping_a_model_replaces_the_earlier_strategy(strategies):
         assert rank["rewrap_logs"] == 2
         assert rank["replaced_by_dp_logs"] == 0
         assert rank["unkept_wrapper_spreads"][1] == 0.0 < rank["unkept_wrapper_spreads"][0]
+
+
+def test_strategies_see_the_steps_of_wrapped_optimizers(strategies):
+    for rank in strategies:
+        assert [s == 0.0 for s in rank["wrapped_optimizer_spreads"]] == [False, True] * 2
+        assert rank["wrapped_optimizer_lr"] == pytest.approx(0.2)  # 0.1 × 2 ranks
 
 
 def test_easgd_one_step_by_hand(strategies):
