@@ -91,6 +91,7 @@ class MetricsStore:
                 self.dropped += 1
                 return False
             record["recv"] = time.time()
+            record["n"] = self.received + 1  # arrival order: readers resume after it
             rank = record["r"]
             self.last_seen[rank] = time.monotonic()
             if record["k"] == "hb":
@@ -104,8 +105,11 @@ class MetricsStore:
             self.version += 1
             return True
 
-    def records(self, kind: str, rank: int | None = None, since: float = 0.0) -> list[dict]:
-        """Records of one kind (all ranks unless `rank`), received after `since` (epoch s)."""
+    def records(self, kind: str, rank: int | None = None, since: float = 0.0,
+                after: int = 0, upto: int | None = None) -> list[dict]:
+        """Records of one kind (all ranks unless `rank`) stamped at or after `since`
+        (epoch s) and, for incremental readers, filed after arrival number `after` and
+        up to `upto` (see `sequence`)."""
         with self._lock:
             ranks = range(self.world_size) if rank is None else [rank]
             out = []
@@ -113,12 +117,21 @@ class MetricsStore:
                 buf = self._buffers.get((kind, r))
                 if not buf:
                     continue
-                if (kind, r) in self._unordered:
-                    out.extend(rec for rec in buf if rec["t"] >= since)
+                if after:
+                    found = _arrived_after(buf, after)
+                elif (kind, r) in self._unordered:
+                    found = list(buf)
                 else:
-                    out.extend(_newer_than(buf, since))
+                    found = _newer_than(buf, since)
+                out.extend(rec for rec in found if rec["t"] >= since
+                           and (upto is None or rec["n"] <= upto))
         out.sort(key=lambda rec: rec["t"])
         return out
+
+    @property
+    def sequence(self) -> int:
+        """The arrival number of the newest record: `records(after=…)` resumes from it."""
+        return self.received
 
     def heartbeat_ages(self) -> dict[int, float]:
         now = time.monotonic()
@@ -138,7 +151,8 @@ class MetricsStore:
         path = Path(path)
         rows = [
             {"kind": rec["k"], "rank": rec["r"], "time": rec["t"],
-             **{k: v for k, v in rec.items() if k not in ("k", "r", "t", "values", "recv")},
+             **{k: v for k, v in rec.items()
+                if k not in ("k", "r", "t", "values", "recv", "n")},
              **rec.get("values", {})}
             for kind in ("step", "log")
             for rec in self.records(kind)
@@ -185,6 +199,17 @@ def _newer_than(buf: collections.deque, since: float) -> list[dict]:
     newer = []
     for rec in reversed(buf):
         if rec["t"] < since:
+            break
+        newer.append(rec)
+    newer.reverse()
+    return newer
+
+
+def _arrived_after(buf: collections.deque, after: int) -> list[dict]:
+    """The records filed after arrival number `after`, scanning back from the newest."""
+    newer = []
+    for rec in reversed(buf):
+        if rec["n"] <= after:
             break
         newer.append(rec)
     newer.reverse()

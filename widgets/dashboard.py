@@ -30,6 +30,39 @@ Series = tuple[np.ndarray, np.ndarray]
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 
 
+STEP_COLUMNS = ("step", "dur", "comm", "compute", "nbytes", "samples")
+
+
+class _RunLog:
+    """The run's step and log records, extracted once each as they arrive."""
+
+    def __init__(self, since: float, max_rows: int):
+        self.since = since
+        self.max_rows = max_rows  # per rank, like the store's own buffers
+        self.after = 0  # the store's arrival number read up to
+        self.steps: dict[int, list[tuple]] = defaultdict(list)
+        self.scalars: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        self.last_log_step: int | None = None
+        self._lock = threading.Lock()
+
+    def update(self, store) -> _RunLog:
+        with self._lock:  # the relay thread and a final display may both read
+            upto = store.sequence
+            for rec in store.records("step", since=self.since, after=self.after, upto=upto):
+                rows = self.steps[rec["r"]]
+                rows.append(tuple(rec[c] for c in STEP_COLUMNS))
+                if len(rows) > self.max_rows:
+                    del rows[: len(rows) - self.max_rows]
+            for rec in store.records("log", since=self.since, after=self.after, upto=upto):
+                for name, value in rec["values"].items():
+                    steps, values = self.scalars[name]
+                    steps.append(rec["step"])
+                    values.append(value)
+                self.last_log_step = max(self.last_log_step or 0, rec["step"])
+            self.after = upto
+        return self
+
+
 @dataclass
 class _Snapshot:
     """What the figure shows, computed from the store in one pass."""
@@ -57,6 +90,7 @@ class Dashboard:
         self.since = since
         self.redraws = 0
         self._min_interval = MIN_REDRAW_INTERVAL_S
+        self._runlog = _RunLog(since, getattr(store, "max_per_rank", 20_000))
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -214,45 +248,28 @@ class Dashboard:
                 fig.data[index].x, fig.data[index].y = downsample(*snap.scalars.get(name, empty))
 
     def _snapshot(self) -> _Snapshot:
+        """The plots' data. The run's records are read once each, as they arrive (a
+        redraw late in a long run costs what arrived since the last one, plus numpy)."""
+        runlog = self._runlog.update(self.store)
         snap = _Snapshot()
-        per_rank: dict[int, list[dict]] = defaultdict(list)
-        for rec in self.store.records("step", since=self.since):
-            per_rank[rec["r"]].append(rec)
-        by_step: dict[int, list[float]] = defaultdict(list)
-        for r, recs in per_rank.items():
-            steps = np.array([rec["step"] for rec in recs], dtype=float)
-            dur = np.array([rec["dur"] for rec in recs], dtype=float)
-            comm = np.array([rec["comm"] for rec in recs], dtype=float)
-            compute = np.array([rec["compute"] for rec in recs], dtype=float)
-            nbytes = np.array([rec["nbytes"] for rec in recs], dtype=float)
-            samples = np.array([rec["samples"] for rec in recs], dtype=float)
+        for r, rows in runlog.steps.items():
+            steps, dur, comm, compute, nbytes, samples = np.array(rows, dtype=float).T
             ok = dur > 0
             ok[0] &= len(ok) == 1  # a run's first step is warm-up: it would dwarf the rest
             snap.throughput[r] = (steps[ok], samples[ok] / dur[ok])
-            for step, rate in zip(*snap.throughput[r], strict=True):
-                by_step[int(step)].append(rate)
             moving = (comm > 0) & (nbytes > 0)
             snap.bandwidth[r] = (steps[moving], nbytes[moving] / comm[moving] / 1e9)
             recent = slice(-SPLIT_WINDOW, None)
             c = compute[recent].mean()
             snap.split[r] = (c, max(dur[recent].mean() - c, 0.0))
             snap.last_step = max(snap.last_step or 0, int(steps.max()))
-        # the total counts a step only once every training rank has reported it
-        reporting = len(per_rank)
-        total = sorted((s, sum(v)) for s, v in by_step.items() if len(v) == reporting)
-        if total:
-            snap.total = (np.array([s for s, _ in total], dtype=float),
-                          np.array([v for _, v in total]))
+        snap.total = _total(list(snap.throughput.values()))
         # logged scalars: the mean over the ranks that logged it at that step
-        sums: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-        for rec in self.store.records("log", since=self.since):
-            for name, value in rec["values"].items():
-                sums[name][rec["step"]].append(value)
-            snap.last_step = max(snap.last_step or 0, rec["step"])
-        for name, steps_values in sums.items():
-            steps = sorted(steps_values)
-            snap.scalars[name] = (np.array(steps, dtype=float),
-                                  np.array([_mean(steps_values[s]) for s in steps]))
+        for name, (steps, values) in runlog.scalars.items():
+            snap.scalars[name] = _mean_by_step(np.array(steps, dtype=float),
+                                               np.array(values, dtype=float))
+        if runlog.last_log_step is not None:
+            snap.last_step = max(snap.last_step or 0, runlog.last_log_step)
         return snap
 
     def _summary(self, snap: _Snapshot) -> str:
@@ -264,6 +281,27 @@ class Dashboard:
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
         return ", ".join(parts)
+
+
+def _total(series: list[Series]) -> Series:
+    """Samples/s summed over the ranks, at the steps every rank has reported (a step
+    counts once all training ranks are in)."""
+    if not series:
+        return np.empty(0), np.empty(0)
+    common = series[0][0]
+    for steps, _ in series[1:]:
+        common = np.intersect1d(common, steps)
+    total = np.zeros(len(common))
+    for steps, rates in series:
+        unique, first = np.unique(steps, return_index=True)
+        total += rates[first][np.searchsorted(unique, common)]
+    return common, total
+
+
+def _mean_by_step(steps: np.ndarray, values: np.ndarray) -> Series:
+    """The mean of the values logged at each step (by every rank that logged one)."""
+    unique, index = np.unique(steps, return_inverse=True)
+    return unique, np.bincount(index, weights=values) / np.bincount(index)
 
 
 def _mean(values: list[float]) -> float:
