@@ -30,6 +30,7 @@ Series = tuple[np.ndarray, np.ndarray]
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 
 
+COMM_SCALARS = frozenset({"bytes_sent", "compression_ratio"})  # what strategies log
 STEP_COLUMNS = ("step", "dur", "comm", "compute", "nbytes", "samples")
 
 
@@ -217,6 +218,11 @@ class Dashboard:
         fig.update_xaxes(title_text="step", row=2, col=2)
         # log, a label per decade: a rank that waits for a straggler "achieves" 100× less
         fig.update_yaxes(type="log", dtick=1, exponentformat="none", row=2, col=2)
+        # communication scalars (bytes sent, compression ratio: the training strategies'
+        # trade-off) span other magnitudes than a loss: their own log axis, on the right
+        fig.update_layout(yaxis5={"overlaying": "y3", "side": "right", "type": "log",
+                                  "anchor": "x3", "showgrid": False,
+                                  "title": {"text": "bytes / ratio"}})
         fig.update_xaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=1, col=2)
         return fig
 
@@ -232,7 +238,9 @@ class Dashboard:
             if name not in scalar_traces:
                 # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
                 # figure has no subplot grid to look rows and columns up in)
-                fig.add_trace(go.Scatter(name=name, mode="lines", xaxis="x3", yaxis="y3"))
+                axis = "y5" if name in COMM_SCALARS else "y3"
+                fig.add_trace(go.Scatter(name=name, mode="lines", xaxis="x3", yaxis=axis,
+                                         line={"dash": "dot"} if axis == "y5" else {}))
                 scalar_traces[name] = len(fig.data) - 1
         empty = (np.empty(0), np.empty(0))
         with fig.batch_update():
