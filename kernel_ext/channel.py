@@ -91,7 +91,7 @@ class MetricsStore:
                 self.dropped += 1
                 return False
             record["recv"] = time.time()
-            record["n"] = self.received + 1  # arrival order: readers resume after it
+            record["_n"] = self.received + 1  # arrival order: readers resume after it
             rank = record["r"]
             self.last_seen[rank] = time.monotonic()
             if record["k"] == "hb":
@@ -124,7 +124,7 @@ class MetricsStore:
                 else:
                     found = _newer_than(buf, since)
                 out.extend(rec for rec in found if rec["t"] >= since
-                           and (upto is None or rec["n"] <= upto))
+                           and (upto is None or rec["_n"] <= upto))
         out.sort(key=lambda rec: rec["t"])
         return out
 
@@ -152,7 +152,7 @@ class MetricsStore:
         rows = [
             {"kind": rec["k"], "rank": rec["r"], "time": rec["t"],
              **{k: v for k, v in rec.items()
-                if k not in ("k", "r", "t", "values", "recv", "n")},
+                if k not in ("k", "r", "t", "values", "recv", "_n")},
              **rec.get("values", {})}
             for kind in ("step", "log")
             for rec in self.records(kind)
@@ -209,7 +209,7 @@ def _arrived_after(buf: collections.deque, after: int) -> list[dict]:
     """The records filed after arrival number `after`, scanning back from the newest."""
     newer = []
     for rec in reversed(buf):
-        if rec["n"] <= after:
+        if rec["_n"] <= after:
             break
         newer.append(rec)
     newer.reverse()

@@ -471,7 +471,35 @@ def check_same_parameters(model: nn.Module) -> None:
             f"{len(theirs)} (first extra: {first_extra!r}); every rank must build the same model")
 
 
-class DataParallel(nn.Module):
+class ModelWrapper(nn.Module):
+    """A training wrapper that behaves like the model it wraps (`self.module`): forward
+    (timed for the step records), ``state_dict`` and attribute access. DataParallel and
+    the averaging strategies share it."""
+
+    module: nn.Module
+    _clock: _StepClock
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._clock.forward(args, kwargs)
+        return self.module(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            modules = self.__dict__.get("_modules", {})
+            if "module" in modules:
+                return getattr(modules["module"], name)
+            raise
+
+
+class DataParallel(ModelWrapper):
     """Wrap `model` for synchronous data-parallel training across the ranks.
 
     Forward, ``state_dict`` and attribute access behave like the plain model's; gradients
@@ -509,10 +537,10 @@ class DataParallel(nn.Module):
                 self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._ddp is None:
+            return super().forward(*args, **kwargs)
         self._clock.forward(args, kwargs)
-        if self._ddp is not None:
-            return self._ddp(*args, **kwargs)
-        return self.module(*args, **kwargs)
+        return self._ddp(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -527,17 +555,3 @@ class DataParallel(nn.Module):
         finally:
             self._sync.enabled = True
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "module" in modules:
-                return getattr(modules["module"], name)
-            raise

@@ -26,7 +26,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import bootstrap, collectives
 from .compression import TrafficMeter
-from .data_parallel import DataParallel, _StepClock, check_same_parameters
+from .data_parallel import DataParallel, ModelWrapper, _StepClock, check_same_parameters
 
 _live: weakref.WeakSet[_Averaging] = weakref.WeakSet()
 _hook: Any = None
@@ -38,7 +38,7 @@ def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: A
             strategy._after_step()
 
 
-class _Averaging(nn.Module):
+class _Averaging(ModelWrapper):
     """What LocalSGD and EASGD share: wrapping, step detection, reporting.
 
     Like DataParallel: move the model to its device before wrapping it (rank 0's weights
@@ -127,24 +127,6 @@ class _Averaging(nn.Module):
         collectives.allreduce(tensors, op="mean", backend=self.backend)
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._clock.forward(args, kwargs)
-        return self.module(*args, **kwargs)
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict:
-        return self.module.state_dict(*args, **kwargs)
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            modules = self.__dict__.get("_modules", {})
-            if "module" in modules:
-                return getattr(modules["module"], name)
-            raise
 
 
 class LocalSGD(_Averaging):
