@@ -30,7 +30,8 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
     "span": {"name": (str,), "cat": (str,), "ts": _NUM, "dur": _NUM},
     "event": {"what": (str,)},
 }
-MAX_RECORD_BYTES = 64 * 1024
+MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
+MAX_BATCH_RECORDS = 1000
 
 
 def validate(record, world_size: int) -> bool:
@@ -75,15 +76,19 @@ class MetricsStore:
         return buf
 
     def add_raw(self, raw: bytes) -> bool:
-        """Decode and file one message; anything malformed is dropped and counted."""
+        """Decode and file one message (a record or a batch of them); anything
+        malformed is dropped and counted. True when every record was filed."""
         try:
-            if len(raw) > MAX_RECORD_BYTES:
+            if len(raw) > MAX_MESSAGE_BYTES:
                 raise ValueError("oversized")
-            record = msgpack.unpackb(raw, raw=False, strict_map_key=True,
-                                     ext_hook=_refuse_ext)
+            payload = msgpack.unpackb(raw, raw=False, strict_map_key=True,
+                                      ext_hook=_refuse_ext)
         except Exception:  # noqa: BLE001 - any undecodable payload is dropped
-            record = None
-        return self.add(record)
+            payload = None
+        if (isinstance(payload, list) and 0 < len(payload) <= MAX_BATCH_RECORDS
+                and all(isinstance(record, dict) for record in payload)):
+            return all([self.add(record) for record in payload])
+        return self.add(payload)  # anything else is one malformed message
 
     def add(self, record) -> bool:
         with self._lock:
@@ -229,7 +234,7 @@ class RecordReceiver:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 100_000)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_RECORD_BYTES)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         port = self._sock.bind_to_random_port(f"tcp://{ip}")
         self.address = f"tcp://{ip}:{port}"
         self._stop = threading.Event()

@@ -11,7 +11,7 @@ import time
 import msgpack
 import pytest
 import zmq
-from mpilab.channel import MAX_RECORD_BYTES, MetricsStore, RecordReceiver, validate
+from mpilab.channel import MAX_MESSAGE_BYTES, MetricsStore, RecordReceiver, validate
 
 T0 = 1_700_000_000.0
 
@@ -110,7 +110,7 @@ def test_store_add_raw_drops_and_counts_garbage():
         msgpack.packb(msgpack.ExtType(42, b"code")),
         msgpack.packb({**GOOD["step"], "dur": msgpack.ExtType(1, b"x")}),
         pickle.dumps(GOOD["step"]),
-        msgpack.packb({**GOOD["step"], "pad": "x" * MAX_RECORD_BYTES}),
+        msgpack.packb({**GOOD["step"], "pad": "x" * MAX_MESSAGE_BYTES}),
     ]
     for raw in garbage:
         assert not store.add_raw(raw)
@@ -223,7 +223,7 @@ def test_receiver_drops_garbage_and_files_good_records():
         assert store.records("log")[0]["values"] == {"loss": 0.5, "acc": 1}
         assert store.heartbeats[0]["host"] == "h"
         # an oversized message is cut by the socket itself; the receiver keeps going
-        push.send(b"\x00" * (MAX_RECORD_BYTES + 1))
+        push.send(b"\x00" * (MAX_MESSAGE_BYTES + 1))
         push.close()
         push = ctx.socket(zmq.PUSH)
         push.connect(receiver.address)
@@ -232,3 +232,13 @@ def test_receiver_drops_garbage_and_files_good_records():
     finally:
         push.close(linger=0)
         receiver.close()
+
+
+def test_store_files_a_batch_and_drops_a_bad_one_whole():
+    store = MetricsStore(world_size=2)
+    batch = [with_(GOOD["step"], step=i) for i in range(3)]
+    assert store.add_raw(msgpack.packb(batch))
+    assert len(store.records("step")) == 3
+    assert not store.add_raw(msgpack.packb([*batch, {"k": "step", "r": 7}]))
+    assert store.dropped == 1  # only the malformed record; the good ones are filed
+    assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))  # more than a batch holds
