@@ -38,7 +38,8 @@ def cmd_lab(args) -> int:
            f"--LabApp.default_url=/lab/tree/{notebook.name}", *args.lab_args]
     if os.geteuid() == 0:  # containers and CI machines run as root; JupyterLab refuses
         cmd.append("--allow-root")
-    return subprocess.call(cmd, env=env)
+    # become JupyterLab: signals (Ctrl-C, a terminate) then reach the server itself
+    os.execve(sys.executable, cmd, env)
 
 
 def cmd_run(args) -> int:

@@ -105,8 +105,11 @@ def test_mpilab_lab_serves_the_examples(tmp_path):
         config = tmp_path / "ipython" / "profile_default" / "ipython_kernel_config.py"
         assert '"mpilab"' in config.read_text()  # every kernel of this server loads mpilab
     finally:
-        proc.terminate()
+        proc.terminate()  # mpilab lab became the server: nothing outlives it
         proc.wait(timeout=30)
+        servers = [p for p in psutil.Process().children(recursive=True)
+                   if "jupyterlab" in " ".join(p.cmdline())]
+        assert not servers, "JupyterLab outlived mpilab lab"
 
 
 def test_killed_kernel_leaves_no_ranks_behind():
