@@ -273,7 +273,7 @@ class RankCluster:
         from .rank.waiting import recover
 
         try:
-            ar = self.client[list(self.engine_of_rank.values())].apply_async(recover)
+            ar = self.client[self.engines()].apply_async(recover)
             return bool(ar.wait(timeout)) and ar.successful()
         except Exception:  # noqa: BLE001 - a failed recovery means restart
             return False
@@ -289,6 +289,11 @@ class RankCluster:
             return []
         security = Path(cluster.profile_dir) / "security"
         return sorted(str(p) for p in security.glob(f"ipcontroller-{cluster.cluster_id}-*.json"))
+
+    def engines(self, ranks: list[int] | None = None) -> list[int]:
+        """ipyparallel engine ids of `ranks` (all ranks by default), in rank order."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return [self.engine_of_rank[r] for r in ranks]
 
     def engine_pids(self) -> list[int]:
         return [r["pid"] for r in self.ranks]

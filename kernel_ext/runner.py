@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
-from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog
+from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog, describe, last_checkpoint
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
@@ -216,7 +216,7 @@ class CellRunner:
         options = options or RunOptions()
         self.cluster.check_usable()
         ranks = parse_ranks(options.spec, self.cluster.world_size)
-        engines = [self.cluster.engine_of_rank[r] for r in ranks]
+        engines = self.cluster.engines(ranks)
         try:
             ar = self.cluster.client[engines].execute(code, silent=False, block=False)
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
@@ -295,12 +295,12 @@ class CellRunner:
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
         pump(final=True)
-        ended_normally = ar.ready() and not outcome.dead and not _engines_died(singles)
-        views.finish(ranks if ended_normally else None)
+        engines_died = _engines_died(singles)
+        views.finish(ranks if ar.ready() and not outcome.dead and not engines_died else None)
         note = relay.cap_note()
         if note:
             self.write("stderr", note + "\n")
-        if not outcome.dead and not outcome.restarted and _engines_died(singles):
+        if not outcome.dead and not outcome.restarted and engines_died:
             # ipyparallel noticed first; the watchdog names the dead and how they died
             time.sleep(0.5)
             verdict = watchdog.check(time.time(), {})
@@ -332,7 +332,7 @@ class CellRunner:
         """Interrupt `ranks` (SIGINT: KeyboardInterrupt and an abort of every wait), then
         bring mpilab's communicators back in step on all ranks; restart when a rank sits
         in a call that cannot be interrupted."""
-        engines = engines_of(self.cluster, ranks)
+        engines = self.cluster.engines(ranks)
         try:
             self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
         except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported below
@@ -340,8 +340,6 @@ class CellRunner:
         if ar.wait(INTERRUPT_GRACE_S) and self.cluster.recover():
             return
         stuck = [r for r, single in zip(outcome.ranks, ar.split()) if not single.ready()]
-        from .watchdog import describe, last_checkpoint
-
         heartbeats = self.cluster.store.heartbeats if self.cluster.store else {}
         for r in stuck:
             outcome.notes.append(
@@ -396,10 +394,6 @@ class CellRunner:
         for thread in self.background:
             thread.join(timeout)
         self.background = [t for t in self.background if t.is_alive()]
-
-
-def engines_of(cluster: RankCluster, ranks: list[int]) -> list[int]:
-    return [cluster.engine_of_rank[r] for r in ranks]
 
 
 def _engines_died(singles: dict) -> bool:

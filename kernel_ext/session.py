@@ -64,14 +64,14 @@ class Session:
         return self.runner.run(code, options)
 
     def push(self, values: dict) -> None:
-        self.cluster.client[list(self.cluster.engine_of_rank.values())].push(values, block=True)
+        self.cluster.client[self.cluster.engines()].push(values, block=True)
 
     def pull(self, name: str, rank: int | None = None):
         """One rank's value (`--rank R`), else a list ordered by rank."""
         client = self.cluster.client
         ranks = list(range(self.cluster.world_size)) if rank is None else \
             parse_ranks(str(rank), self.cluster.world_size)
-        engines = [self.cluster.engine_of_rank[r] for r in ranks]
+        engines = self.cluster.engines(ranks)
         try:
             values = client[engines].pull(name, block=True)
         except Exception:  # noqa: BLE001 - the ranks' NameError, as one line
@@ -111,7 +111,7 @@ class Session:
         self.cluster.check_usable()
         size_list = parse_sizes(sizes)
         backend_list = [b.strip() for b in backends.split(",") if b.strip()]
-        engines = [self.cluster.engine_of_rank[r] for r in range(self.cluster.world_size)]
+        engines = self.cluster.engines()
         ar = self.cluster.client[engines].apply_async(bench_here, op, size_list, backend_list)
         try:
             results = ar.get()

@@ -66,6 +66,7 @@ class Kernel:
     def __init__(self, cwd: str | None = None):
         kwargs = {"cwd": cwd} if cwd else {}
         self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
+        self._backlog: list[dict] = []
 
     def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> CellRun:
         run = CellRun(started=time.time())
@@ -85,6 +86,7 @@ class Kernel:
             except queue.Empty:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
+                self._backlog.append(msg)  # another cell's (a --noblock one): keep it
                 continue
             kind = msg["msg_type"]
             if kind == "status" and msg["content"]["execution_state"] == "idle":
@@ -97,16 +99,17 @@ class Kernel:
         return run
 
     def collect_iopub(self, seconds: float) -> list[dict]:
-        """Messages that arrive on iopub for any cell during the next `seconds`."""
-        out, end = [], time.monotonic() + seconds
+        """Messages for any cell that `run` passed over, then those arriving during the
+        next `seconds`."""
+        messages, self._backlog = self._backlog, []
+        end = time.monotonic() + seconds
         while time.monotonic() < end:
             try:
-                msg = self.kc.get_iopub_msg(timeout=0.1)
+                messages.append(self.kc.get_iopub_msg(timeout=0.1))
             except queue.Empty:
                 continue
-            out.append({"type": msg["msg_type"], "content": msg["content"],
-                        "parent": msg["parent_header"].get("msg_id"), "t": time.time()})
-        return out
+        return [{"type": msg["msg_type"], "content": msg["content"],
+                 "parent": msg["parent_header"].get("msg_id")} for msg in messages]
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
