@@ -26,6 +26,11 @@ OPS = ("allreduce", "broadcast", "allgather")
 BACKENDS = ("mpilab", "mpi", "gloo", "nccl")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WARMUP = 2
+# Each timed repetition runs back-to-back collectives moving about this many bytes (at
+# most _MAX_ITERS of them), as nccl-tests does: a single 4 KiB collective takes a few
+# µs, less than the skew with which ranks leave the barrier before it.
+_TIMED_BYTES = 1 << 20
+_MAX_ITERS = 100
 
 
 def parse_sizes(spec: str) -> list[int]:
@@ -75,7 +80,8 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     """Measure `op` at every size with every backend; collective on all ranks.
 
     Returns plain rows on rank 0 (an empty list elsewhere):
-    {op, backend, size_bytes, time_s (median over repeats of the slowest rank), algbw_GBps,
+    {op, backend, size_bytes, time_s (one collective's time: the median over repeats of
+    the slowest rank's mean over a repeat's back-to-back collectives), algbw_GBps,
     busbw_GBps, time_min_s (the fastest repeat: what the backend does undisturbed on a
     shared, noisy node)}; a backend that cannot run here gives one row with a `note` and
     None figures.
@@ -101,6 +107,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     measured: dict[tuple[str, int], dict] = {}
     for size in sizes:
         steps = {b: _step(op, b, size, ctx) for b in running}
+        iters = max(1, min(_MAX_ITERS, _TIMED_BYTES // size))
         times: dict[str, list[float]] = {b: [] for b in running}
         # Backends take turns at every repetition, so a burst of load on the node hits
         # them alike instead of spoiling one backend's whole series.
@@ -110,11 +117,13 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
             shift = i % len(running) if running else 0
             for b in running[shift:] + running[:shift]:
                 step = steps[b]
-                wait_interruptibly(comm.Ibarrier())
+                wait_interruptibly(comm.Ibarrier())  # interruptible while ranks gather,
+                comm.Barrier()  # then a spinning one: ranks start within a µs or so
                 t0 = time.perf_counter()
-                step()
+                for _ in range(iters):
+                    step()
                 if i >= _WARMUP:
-                    times[b].append(time.perf_counter() - t0)
+                    times[b].append((time.perf_counter() - t0) / iters)
         nbytes = _effective_size(op, size, n)
         for b in running:
             slowest = np.array(times[b])
