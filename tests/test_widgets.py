@@ -218,16 +218,38 @@ def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
     json.dumps(bundle)  # display(bundle, raw=True) sends it as JSON
 
 
-def test_dashboard_final_bundle_is_static_where_no_frontend_showed_the_widget():
+def test_dashboard_final_bundle_is_a_static_plot_that_keeps_the_data():
+    """An ended run's output must not depend on widget state (a saved notebook, nbconvert)."""
     dash = Dashboard(filled_store(steps=10), world_size=2)
     dash.refresh()
+    dash.figure._view_count = 1  # what JupyterLab's widget manager reports
     final = dash.mimebundle(final=True)
     assert WIDGET_VIEW_MIME not in final
     assert set(final) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
     x = final["application/vnd.plotly.v1+json"]["data"][0]["x"]  # plotly.js typed array
     assert len(np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"])) == 9
-    dash.figure._view_count = 1  # what JupyterLab's widget manager reports
-    assert WIDGET_VIEW_MIME in dash.mimebundle(final=True)
+    assert not dash.refresh(force=True)  # an ended dashboard draws no more
+
+
+def test_an_ended_runs_widget_is_reused_empty_by_the_next_dashboard():
+    """Each new FigureWidget costs the browser plotly's 5 MB widget code: reuse them."""
+    first = Dashboard(filled_store(steps=10, world_size=3), world_size=3)
+    first.refresh()  # adds the traces of its logged scalars, loss and acc
+    model_id = first.figure.model_id
+    first.mimebundle(final=True)
+
+    store = MetricsStore(world_size=3)
+    for r in range(3):
+        store.add(step_record(r, 1))
+        store.add(step_record(r, 2))
+    second = Dashboard(store, world_size=3)
+    assert second.figure.model_id == model_id
+    assert len(second.figure.data) == len(second._base_figure().data)  # no loss, no acc
+    assert all(_len(t.x) == 0 for t in second.figure.data if t.type == "scatter")
+    second.refresh(force=True)
+    assert list(second.figure.data[0].x) == [2]  # its own run only (step 1 is warm-up)
+    other = Dashboard(store, world_size=3)  # while the second runs: a widget of its own
+    assert other.figure.model_id != model_id
 
 
 def test_dashboard_refresh_from_a_thread():
@@ -365,7 +387,7 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
             if msg["msg_type"] == "stream" and model_id is None:
                 model_id = content["text"].strip()
             if (msg["msg_type"] == "comm_msg"
-                    and content["data"].get("state", {}).get("_py2js_update")):
+                    and content["data"].get("state", {}).get("_py2js_restyle")):
                 updates.append(content["comm_id"])
         assert model_id in updates, "no widget update arrived from the thread"
     finally:

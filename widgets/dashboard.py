@@ -3,6 +3,8 @@
 One plotly FigureWidget fed from the MetricsStore. The runner calls `refresh()` on
 every relay tick; the widget redraws at most 4 times a second and only when new
 records arrived, and each trace is downsampled so a long run stays cheap to draw.
+When the run ends its output becomes a static plot and the widget is kept for the next
+run's dashboard: each new FigureWidget sends plotly's 5 MB widget code to the browser.
 """
 
 from __future__ import annotations
@@ -28,40 +30,79 @@ SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
 Series = tuple[np.ndarray, np.ndarray]
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
+# world size -> widgets whose run ended (no output shows them any more), for reuse
+_SPARE_WIDGETS: dict[int, list[go.FigureWidget]] = defaultdict(list)
+_SPARE_LOCK = threading.Lock()
 
 
 COMM_SCALARS = frozenset({"bytes_sent", "compression_ratio"})  # what strategies log
 STEP_COLUMNS = ("step", "dur", "comm", "compute", "nbytes", "samples")
 
 
+class _Columns:
+    """A table of float rows that grows by appending, kept as one numpy array (a
+    redraw reads views, not a conversion of every row so far)."""
+
+    def __init__(self, width: int, max_rows: int):
+        self.max_rows = max_rows
+        self._data = np.empty((64, width))
+        self._n = 0
+
+    def extend(self, rows: list) -> None:
+        new = np.asarray(rows, dtype=float).reshape(len(rows), self._data.shape[1])
+        if self._n + len(new) > len(self._data):
+            keep = self._data[max(0, self._n - self.max_rows):self._n]
+            grown = np.empty((max(2 * len(self._data), len(keep) + len(new)),
+                              self._data.shape[1]))
+            grown[:len(keep)] = keep
+            self._data, self._n = grown, len(keep)
+        self._data[self._n:self._n + len(new)] = new
+        self._n += len(new)
+
+    def view(self) -> np.ndarray:
+        """The newest max_rows rows, as columns."""
+        return self._data[max(0, self._n - self.max_rows):self._n].T
+
+
 class _RunLog:
     """The run's step and log records, extracted once each as they arrive."""
 
-    def __init__(self, since: float, max_rows: int):
+    def __init__(self, since: float, max_rows: int, world_size: int):
         self.since = since
         self.max_rows = max_rows  # per rank, like the store's own buffers
+        self.world_size = world_size
         self.after = 0  # the store's arrival number read up to
-        self.steps: dict[int, list[tuple]] = defaultdict(list)
-        self.scalars: dict[str, tuple[list[int], list[float]]] = defaultdict(lambda: ([], []))
+        self.steps: dict[int, _Columns] = {}
+        self.scalars: dict[str, _Columns] = {}  # name -> (step, value) of every rank
         self.last_log_step: int | None = None
         self._lock = threading.Lock()
 
     def update(self, store) -> _RunLog:
         with self._lock:  # the relay thread and a final display may both read
             upto = store.sequence
+            rows: dict[int, list] = defaultdict(list)
             for rec in store.records("step", since=self.since, after=self.after, upto=upto):
-                rows = self.steps[rec["r"]]
-                rows.append(tuple(rec[c] for c in STEP_COLUMNS))
-                if len(rows) > self.max_rows:
-                    del rows[: len(rows) - self.max_rows]
+                rows[rec["r"]].append([rec[c] for c in STEP_COLUMNS])
+            for rank, new in rows.items():
+                self._table(self.steps, rank, len(STEP_COLUMNS)).extend(new)
+            logged: dict[str, list] = defaultdict(list)
             for rec in store.records("log", since=self.since, after=self.after, upto=upto):
                 for name, value in rec["values"].items():
-                    steps, values = self.scalars[name]
-                    steps.append(rec["step"])
-                    values.append(value)
+                    logged[name].append((rec["step"], value))
                 self.last_log_step = max(self.last_log_step or 0, rec["step"])
+            for name, new in logged.items():
+                self._table(self.scalars, name, 2).extend(new)
             self.after = upto
         return self
+
+    def _table(self, tables: dict, key, width: int) -> _Columns:
+        table = tables.get(key)
+        if table is None:
+            # a scalar's table holds every rank's values
+            every_rank = tables is self.scalars
+            table = tables[key] = _Columns(
+                width, self.max_rows * (self.world_size if every_rank else 1))
+        return table
 
 
 @dataclass
@@ -91,7 +132,7 @@ class Dashboard:
         self.since = since
         self.redraws = 0
         self._min_interval = MIN_REDRAW_INTERVAL_S
-        self._runlog = _RunLog(since, getattr(store, "max_per_rank", 20_000))
+        self._runlog = _RunLog(since, getattr(store, "max_per_rank", 20_000), world_size)
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -100,14 +141,23 @@ class Dashboard:
         self._scalar_traces: dict[str, int] = {}
         self._figure: go.FigureWidget | None = None
         self._figure_lock = threading.Lock()
+        self._ended = False
 
     @property
     def figure(self) -> go.FigureWidget:
-        """The live widget, made on first use: each one sends plotly's 5 MB widget code to
-        the frontend, and most cells a dashboard watches never log a metric."""
+        """The live widget, taken on first use: each new one sends plotly's 5 MB widget
+        code to the frontend, and most cells a dashboard watches never log a metric. A
+        widget an ended run gave back is cleared and reused."""
         with self._figure_lock:  # the relay thread and the user may both ask first
             if self._figure is None:
-                self._figure = go.FigureWidget(self._base_figure())
+                with _SPARE_LOCK:
+                    spare = _SPARE_WIDGETS[self.world_size]
+                    widget = spare.pop() if spare else None
+                if widget is None:
+                    widget = go.FigureWidget(self._base_figure())
+                else:
+                    _clear(widget, len(_BASE_FIGURES[self.world_size]["data"]))
+                self._figure = widget
         return self._figure
 
     # -- what the runner calls ----------------------------------------------------------
@@ -117,6 +167,8 @@ class Dashboard:
         Cheap when there is nothing to do (two comparisons), so it can be called on
         every tick; safe to call from the relay thread of a --noblock cell.
         """
+        if self._ended:
+            return False  # the widget belongs to a later run now
         version = self.store.version
         now = self.clock()
         if not force and (version == self._drawn_version
@@ -158,12 +210,14 @@ class Dashboard:
 
         nbconvert and nbclient have no widget frontend; they fall back to the HTML
         (plotly.js from the CDN), so executed notebooks keep their plots. With `final`
-        (the run is over) the widget is left out where no frontend ever showed it:
-        nbclient stores every widget's state, and nbconvert then prefers a widget view
-        over the HTML; JupyterLab, when it missed the live view, draws the plotly data.
+        (the run is over) the bundle is a static plot, which JupyterLab draws with
+        plotly's renderer (zoom and hover included) and a saved notebook keeps without
+        widget state; the widget goes back for the next run's dashboard, and this one
+        stops drawing.
         """
         snapshot = self._snapshot()
-        if final and not (self._figure is not None and self._figure._view_count):
+        if final or self._ended:
+            self._end()
             return figure_bundle(self._static(snapshot), text=self._summary(snapshot))
         self.refresh(force=True)  # the view starts with the data there is now
         return {
@@ -175,6 +229,15 @@ class Dashboard:
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict:
         return self.mimebundle()
+
+    def _end(self) -> None:
+        with self._lock:  # not while a thread is drawing into the widget
+            self._ended = True
+        with self._figure_lock:
+            widget, self._figure = self._figure, None
+        if widget is not None:
+            with _SPARE_LOCK:
+                _SPARE_WIDGETS[self.world_size].append(widget)
 
     # -- building ---------------------------------------------------------------------------
     def _base_figure(self) -> go.Figure:
@@ -243,25 +306,31 @@ class Dashboard:
                                          line={"dash": "dot"} if axis == "y5" else {}))
                 scalar_traces[name] = len(fig.data) - 1
         empty = (np.empty(0), np.empty(0))
-        with fig.batch_update():
-            for r in range(w):
-                fig.data[r].x, fig.data[r].y = downsample(*snap.throughput.get(r, empty))
-                bw = fig.data[w + 1 + len(SPLIT_PARTS) + r]
-                bw.x, bw.y = downsample(*snap.bandwidth.get(r, empty))
-            fig.data[w].x, fig.data[w].y = downsample(*snap.total)
-            for part in range(len(SPLIT_PARTS)):
-                fig.data[w + 1 + part].y = [snap.split.get(r, (0.0, 0.0))[part]
-                                            for r in range(w)]
-            for name, index in scalar_traces.items():
-                fig.data[index].x, fig.data[index].y = downsample(*snap.scalars.get(name, empty))
+        traces: dict[int, tuple] = {}  # trace index -> (x, y)
+        for r in range(w):
+            traces[r] = downsample(*snap.throughput.get(r, empty))
+            traces[w + 1 + len(SPLIT_PARTS) + r] = downsample(*snap.bandwidth.get(r, empty))
+        traces[w] = downsample(*snap.total)
+        ranks = np.arange(w, dtype=float)
+        for part in range(len(SPLIT_PARTS)):
+            traces[w + 1 + part] = (ranks, np.array([snap.split.get(r, (0.0, 0.0))[part]
+                                                     for r in range(w)]))
+        for name, index in scalar_traces.items():
+            traces[index] = downsample(*snap.scalars.get(name, empty))
+        # One restyle of every trace: our arrays are already clean float64, so plotly's
+        # per-property validation (half a redraw's cost) is skipped, and the widget sends
+        # them as binary buffers in one message.
+        indexes = list(traces)
+        fig.plotly_restyle({"x": [traces[i][0] for i in indexes],
+                            "y": [traces[i][1] for i in indexes]}, trace_indexes=indexes)
 
     def _snapshot(self) -> _Snapshot:
         """The plots' data. The run's records are read once each, as they arrive (a
         redraw late in a long run costs what arrived since the last one, plus numpy)."""
         runlog = self._runlog.update(self.store)
         snap = _Snapshot()
-        for r, rows in runlog.steps.items():
-            steps, dur, comm, compute, nbytes, samples = np.array(rows, dtype=float).T
+        for r, table in runlog.steps.items():
+            steps, dur, comm, compute, nbytes, samples = table.view()
             ok = dur > 0
             ok[0] &= len(ok) == 1  # a run's first step is warm-up: it would dwarf the rest
             snap.throughput[r] = (steps[ok], samples[ok] / dur[ok])
@@ -273,9 +342,8 @@ class Dashboard:
             snap.last_step = max(snap.last_step or 0, int(steps.max()))
         snap.total = _total(list(snap.throughput.values()))
         # logged scalars: the mean over the ranks that logged it at that step
-        for name, (steps, values) in runlog.scalars.items():
-            snap.scalars[name] = _mean_by_step(np.array(steps, dtype=float),
-                                               np.array(values, dtype=float))
+        for name, table in runlog.scalars.items():
+            snap.scalars[name] = _mean_by_step(*table.view())
         if runlog.last_log_step is not None:
             snap.last_step = max(snap.last_step or 0, runlog.last_log_step)
         return snap
@@ -289,6 +357,14 @@ class Dashboard:
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
         return ", ".join(parts)
+
+
+def _clear(widget: go.FigureWidget, base_traces: int) -> None:
+    """Empty a reused widget: the traces of logged scalars go, the rest lose their data."""
+    if len(widget.data) > base_traces:
+        widget.data = widget.data[:base_traces]
+    empty = np.empty(0)
+    widget.plotly_restyle({"x": [empty], "y": [empty]}, trace_indexes=list(range(base_traces)))
 
 
 def _total(series: list[Series]) -> Series:
@@ -311,6 +387,3 @@ def _mean_by_step(steps: np.ndarray, values: np.ndarray) -> Series:
     unique, index = np.unique(steps, return_inverse=True)
     return unique, np.bincount(index, weights=values) / np.bincount(index)
 
-
-def _mean(values: list[float]) -> float:
-    return sum(values) / len(values)  # np.mean costs 5 µs a call; this is per step
