@@ -27,9 +27,11 @@ BACKENDS = ("mpilab", "mpi", "gloo", "nccl")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WARMUP = 2
 # Each timed repetition runs back-to-back collectives moving about this many bytes (at
-# most _MAX_ITERS of them), as nccl-tests does: a single 4 KiB collective takes a few
-# µs, less than the skew with which ranks leave the barrier before it.
-_TIMED_BYTES = 1 << 20
+# most _MAX_ITERS of them), as nccl-tests times a loop of iterations: a single 4 KiB
+# collective takes a few µs, less than the skew with which ranks leave the barrier
+# before it, and a single 1 MiB one would mostly measure the cache misses left by the
+# backend that ran before it.
+_TIMED_BYTES = 32 << 20
 _MAX_ITERS = 100
 
 
