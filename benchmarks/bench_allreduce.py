@@ -4,9 +4,10 @@
 
 Run plainly, it relaunches itself under the venv's mpiexec; under mpiexec it measures.
 Every figure is bus bandwidth (nccl-tests) from the median of `repeats` timings of the
-slowest rank (a second table: from the fastest repeat, what each backend does when the
-node's other tenants leave it alone), beside the single-core memory-copy bandwidth
-measured in the same run:
+slowest rank, each a loop of back-to-back collectives moving ~32 MiB (at most 100 of
+them; nccl-tests also times loops). A second table gives the fastest repeat: what each
+backend does when the node's other tenants leave it alone. Beside them, the single-core
+memory-copy bandwidth measured in the same run:
 per size (cache-resident below the L3 size), and of the node (a buffer far larger than
 any cache: DRAM). Targets (the issue): mpilab ≥ the better of the other two at every
 size; at ≥ 1 MiB, mpilab ≥ 60% of the node's memory-copy bandwidth.

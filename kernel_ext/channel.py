@@ -88,7 +88,7 @@ class MetricsStore:
         if not (isinstance(payload, list) and 0 < len(payload) <= MAX_BATCH_RECORDS
                 and all(isinstance(record, dict) for record in payload)):
             payload = [payload]  # anything else is one malformed message
-        with self._lock:  # once per batch: readers on the kernel's main thread wait less
+        with self._lock:  # one acquisition per batch, not one per record
             filed = [self._file(record, time.time(), time.monotonic()) for record in payload]
         return all(filed)
 

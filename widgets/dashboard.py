@@ -319,7 +319,7 @@ class Dashboard:
             traces[index] = downsample(*snap.scalars.get(name, empty))
         # One restyle of every trace: our arrays are already clean float64, so plotly's
         # per-property validation (half a redraw's cost) is skipped, and the widget sends
-        # them as binary buffers in one message.
+        # them as binary buffers in one restyle.
         indexes = list(traces)
         fig.plotly_restyle({"x": [traces[i][0] for i in indexes],
                             "y": [traces[i][1] for i in indexes]}, trace_indexes=indexes)
