@@ -11,6 +11,7 @@ algbw = size / time; busbw = algbw × 2(n-1)/n for allreduce, × (n-1)/n for all
 
 from __future__ import annotations
 
+import itertools
 import re
 import statistics
 import time
@@ -110,17 +111,21 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     for size in sizes:
         steps = {b: _step(op, b, size, ctx) for b in running}
         iters = max(1, min(_MAX_ITERS, _TIMED_BYTES // size))
+        warm = max(1, iters // 5)
         times: dict[str, list[float]] = {b: [] for b in running}
         # Backends take turns at every repetition, so a burst of load on the node hits
         # them alike instead of spoiling one backend's whole series.
+        orders = list(itertools.permutations(running))
         for i in range(_WARMUP + repeats):
-            # rotate who goes first: a backend that leaves work behind (gloo's threads)
-            # must not always slow the same successor
-            shift = i % len(running) if running else 0
-            for b in running[shift:] + running[:shift]:
+            # every order in turn: a backend that leaves work behind (gloo's threads)
+            # slows each other backend equally often (a plain rotation of three puts
+            # the same one after gloo in two repeats of three)
+            for b in orders[i % len(orders)]:
                 step = steps[b]
                 wait_interruptibly(comm.Ibarrier())  # interruptible while ranks gather,
-                comm.Barrier()  # then a spinning one: ranks start within a µs or so
+                for _ in range(warm):  # untimed: what the previous backend left behind
+                    step()  # (gloo: ~20 slow small collectives after it) lands here
+                comm.Barrier()  # then a spinning barrier: ranks start within a µs or so
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     step()

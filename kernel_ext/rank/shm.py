@@ -40,7 +40,7 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
-_HOT_SPINS = 64  # ~10 µs of pure polling: the partner usually arrives within that
+_HOT_SPINS = 256  # ~10 µs of pure polling: the partner usually arrives within that
 _YIELD_S = 0.001  # then give the core away (3 ranks on 2 cores must not starve)
 _MAX_SLEEP_S = 0.001
 
