@@ -165,13 +165,12 @@ def cmd_bench(args) -> int:
 def bench_on_ranks(op: str, sizes: str, backends: str) -> int:
     """Runs on every rank under mpiexec; rank 0 prints the table `%mpilab bench` shows."""
     import mpilab
-    from mpilab.rank.bench import parse_sizes
+    from mpilab.rank.bench import parse_backends, parse_sizes
     from mpilab.rank.engine import bench_here
 
     ctx = mpilab.init()
     try:
-        rows, ceiling = bench_here(op, parse_sizes(sizes),
-                                   [b.strip() for b in backends.split(",") if b.strip()])
+        rows, ceiling = bench_here(op, parse_sizes(sizes), parse_backends(backends))
     except ValueError as e:
         if ctx.rank == 0:
             print(f"mpilab: {e}", file=sys.stderr)
@@ -179,8 +178,7 @@ def bench_on_ranks(op: str, sizes: str, backends: str) -> int:
     if ctx.rank == 0:
         from mpilab.widgets import bench_table
 
-        print(bench_table(rows))
-        print(f"memory-copy ceiling (one core): {ceiling:.2f} GB/s")
+        print(bench_table(rows, ceiling))
     return 0
 
 

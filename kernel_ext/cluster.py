@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .channel import MetricsStore, RecordReceiver
+from .rank.engine_main import KERNEL_PID_ENV
 
 LAUNCHERS = ("mpi", "slurm", "ssh")
-KERNEL_PID_ENV = "MPILAB_KERNEL_PID"
 
 
 class ClusterError(Exception):

@@ -11,7 +11,7 @@ import os
 import threading
 import time
 
-from mpilab.rank.engine_main import WATCH_INTERVAL_S, pid_alive
+from mpilab.rank.engine_main import WATCH_INTERVAL_S, pid_alive, watched_kernel_pid
 
 
 def _watch_kernel(kernel: int) -> None:
@@ -28,7 +28,7 @@ def _watch_kernel(kernel: int) -> None:
 
 
 if __name__ == "__main__":
-    kernel_pid = int(os.environ.get("MPILAB_KERNEL_PID", "0"))
+    kernel_pid = watched_kernel_pid()
     if kernel_pid:
         threading.Thread(target=_watch_kernel, args=(kernel_pid,), daemon=True).start()
     from ipyparallel.controller.app import main

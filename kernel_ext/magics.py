@@ -127,15 +127,8 @@ class MpilabMagics(Magics):
         """%mpilab bench allreduce|broadcast|allgather [--sizes 4K:64M] [--backends …]"""
 
     def _bench(self, rest: str):
-        from IPython.display import display
-        from mpilab.widgets import bench_figure, bench_table
-        from mpilab.widgets.plotting import figure_bundle
-
         args = _parse(self._bench_args, rest)
-        rows, ceiling = self.session.bench(args.op, args.sizes, args.backends)
-        print(bench_table(rows))
-        print(f"memory-copy ceiling (one core): {ceiling:.2f} GB/s")
-        display(figure_bundle(bench_figure(rows, ceiling)), raw=True)
+        self.session.show_bench(args.op, args.sizes, args.backends)
 
     def _dashboard(self, rest: str):
         self._no_args("dashboard", rest)
@@ -198,15 +191,9 @@ def load(ipython) -> None:
     atexit.register(session.shutdown)
     # plotly's widget module takes seconds to import: do it now, off the main thread,
     # so the first dashboard does not stall a training cell's output
-    threading.Thread(target=_warm_widgets, name="mpilab-warm", daemon=True).start()
+    from mpilab.widgets import warm_up
 
-
-def _warm_widgets() -> None:
-    import mpilab.widgets.dashboard  # noqa: F401
-    import plotly.basewidget  # noqa: F401
-    from plotly.subplots import make_subplots
-
-    make_subplots(rows=2, cols=2)
+    threading.Thread(target=warm_up, name="mpilab-warm", daemon=True).start()
 
 
 def unload(ipython) -> None:

@@ -105,14 +105,13 @@ class Session:
 
     def bench(self, op: str, sizes: str, backends: str) -> tuple[list[dict], float]:
         """Measure a collective on the running ranks: (rows, memcpy ceiling GB/s)."""
-        from .rank.bench import parse_sizes
+        from .rank.bench import parse_backends, parse_sizes
         from .rank.engine import bench_here
 
         self.cluster.check_usable()
-        size_list = parse_sizes(sizes)
-        backend_list = [b.strip() for b in backends.split(",") if b.strip()]
         engines = self.cluster.engines()
-        ar = self.cluster.client[engines].apply_async(bench_here, op, size_list, backend_list)
+        ar = self.cluster.client[engines].apply_async(
+            bench_here, op, parse_sizes(sizes), parse_backends(backends))
         try:
             results = ar.get()
         except KeyboardInterrupt:
@@ -124,6 +123,15 @@ class Session:
             raise ClusterError(f"bench: {_remote_message(e)}") from None
         rows, ceiling = results[0]
         return rows, ceiling
+
+    def show_bench(self, op: str, sizes: str, backends: str) -> None:
+        """`%mpilab bench`: the table, then the bandwidth plot with the ceiling."""
+        from IPython.display import display
+        from mpilab.widgets import bench_figure, bench_table, figure_bundle
+
+        rows, ceiling = self.bench(op, sizes, backends)
+        print(bench_table(rows, ceiling))
+        display(figure_bundle(bench_figure(rows, ceiling)), raw=True)
 
     def show_dashboard(self) -> None:
         """The dashboard of the latest run, kept live by a refresher thread."""

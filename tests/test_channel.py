@@ -234,11 +234,14 @@ def test_receiver_drops_garbage_and_files_good_records():
         receiver.close()
 
 
-def test_store_files_a_batch_and_drops_a_bad_one_whole():
+def test_store_files_a_batch_and_drops_only_its_bad_records():
     store = MetricsStore(world_size=2)
     batch = [with_(GOOD["step"], step=i) for i in range(3)]
     assert store.add_raw(msgpack.packb(batch))
     assert len(store.records("step")) == 3
     assert not store.add_raw(msgpack.packb([*batch, {"k": "step", "r": 7}]))
     assert store.dropped == 1  # only the malformed record; the good ones are filed
-    assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))  # more than a batch holds
+    assert len(store.records("step")) == 6
+    # more than a batch holds: one malformed message, none of its records filed
+    assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))
+    assert store.dropped == 2 and len(store.records("step")) == 6

@@ -263,7 +263,10 @@ ctx.comm.Barrier()
 waiting.recover()
 step()
 step()
-report_all({"outcome": outcome, "params": [p.tolist() for p in model.parameters()]})
+from mpilab.rank.collectives import private_comm
+from mpilab.rank.fast_allreduce import plan_for
+report_all({"outcome": outcome, "params": [p.tolist() for p in model.parameters()],
+            "path": plan_for(private_comm("data_parallel")).path})
 """
 
 
@@ -273,3 +276,4 @@ def test_recovers_after_an_abort_mid_step(path: str) -> None:
     got = run_ranks(_GATHER + _RECOVER, n=2, env=env, timeout=120)[0]
     assert got[0]["outcome"] == "aborted: peer failed"
     assert got[0]["params"] == got[1]["params"]
+    assert got[0]["path"] == path  # the path this case is about, not a silent fallback

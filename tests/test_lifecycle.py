@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -77,14 +82,10 @@ def test_run_missing_notebook_is_one_line():
 
 
 def test_mpilab_lab_serves_the_examples(tmp_path):
-    import socket
-    import time
-    import urllib.request
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**__import__("os").environ, "MPILAB_HOME": str(tmp_path)}
+    env = {**os.environ, "MPILAB_HOME": str(tmp_path)}
     proc = subprocess.Popen([MPILAB, "lab", f"--ServerApp.port={port}",
                              "--ServerApp.ip=127.0.0.1", "--no-browser",
                              "--IdentityProvider.token=t0ken"],
@@ -95,7 +96,7 @@ def test_mpilab_lab_serves_the_examples(tmp_path):
         while True:
             try:
                 with urllib.request.urlopen(url, timeout=5) as response:
-                    listing = __import__("json").load(response)
+                    listing = json.load(response)
                 break
             except OSError:
                 assert time.monotonic() < deadline, "mpilab lab did not answer"
@@ -104,12 +105,13 @@ def test_mpilab_lab_serves_the_examples(tmp_path):
         assert "01_quickstart.ipynb" in names
         config = tmp_path / "ipython" / "profile_default" / "ipython_kernel_config.py"
         assert '"mpilab"' in config.read_text()  # every kernel of this server loads mpilab
+        # mpilab lab became the server (no wrapper in between), so stopping it stops it
+        assert "jupyterlab" in " ".join(psutil.Process(proc.pid).cmdline())
     finally:
-        proc.terminate()  # mpilab lab became the server: nothing outlives it
+        proc.terminate()
         proc.wait(timeout=30)
-        servers = [p for p in psutil.Process().children(recursive=True)
-                   if "jupyterlab" in " ".join(p.cmdline())]
-        assert not servers, "JupyterLab outlived mpilab lab"
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0, "JupyterLab outlived mpilab lab"
 
 
 def test_killed_kernel_leaves_no_ranks_behind():

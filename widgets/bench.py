@@ -76,9 +76,10 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figur
     return fig
 
 
-def bench_table(rows: list[dict]) -> str:
+def bench_table(rows: list[dict], memcpy_gbps: float | None = None) -> str:
     """The measurements as an aligned text table, grouped by backend, sizes ascending;
-    then one line per backend that could not run, with the reason."""
+    then one line per backend that could not run, with the reason, and the memory-copy
+    ceiling when given."""
     notes = _notes(rows)
     rows = _measured(rows)
     header = ("op", "backend", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)")
@@ -95,4 +96,7 @@ def bench_table(rows: list[dict]) -> str:
                   for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         for cells in [header, *body]
     ]
-    return "\n".join(lines + [f"not measured: {note}" for note in notes])
+    lines += [f"not measured: {note}" for note in notes]
+    if memcpy_gbps:
+        lines.append(f"memory-copy ceiling (one core): {memcpy_gbps:.2f} GB/s")
+    return "\n".join(lines)

@@ -57,6 +57,11 @@ def parse_sizes(spec: str) -> list[int]:
     return sizes
 
 
+def parse_backends(spec: str) -> list[str]:
+    """'mpi, gloo' → ['mpi', 'gloo'] (names are checked by run_bench)."""
+    return [b.strip() for b in spec.split(",") if b.strip()]
+
+
 def bus_factor(op: str, n: int) -> float:
     """busbw / algbw for `op` on n ranks (nccl-tests)."""
     return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]

@@ -164,26 +164,20 @@ def _prepare_communicators() -> None:
     can release.
     """
     from .collectives import private_comm
-    from .fast_allreduce import plan_for
     from .waiting import on_recover
 
-    plan_for(private_comm())
+    private_comm()  # makes the communicators and their allreduce plans
     on_recover(_align_collective_numbers)
 
 
 def _align_collective_numbers() -> None:
     """After an abort ranks may have started different numbers of collectives; agree on
-    the highest so the numbers compare again, and set up the renewed communicator's
-    shared memory now (all ranks run this in `recover()`, after the renewal)."""
+    the highest so the numbers compare again (all ranks run this in `recover()`)."""
     from mpi4py import MPI
-
-    from .collectives import private_comm
-    from .fast_allreduce import plan_for
 
     state = agent_mod.current().state
     state.seq = context().comm.allreduce(state.seq, op=MPI.MAX)
     state.recent.clear()
-    plan_for(private_comm())  # the renewed communicator's plan, made now by everyone
 
 
 def _bind_device(torch, gpus, local_rank):

@@ -89,8 +89,11 @@ def _divide(buf: torch.Tensor, world_size: int) -> None:
         buf.div_(world_size, rounding_mode="floor")
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def tensor_bytes(tensors: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    """The bytes of a tensor, or of a list of tensors."""
+    if isinstance(tensors, torch.Tensor):
+        return tensors.numel() * tensors.element_size()
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _shape(tensor: torch.Tensor) -> str:
@@ -126,11 +129,11 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
     if isinstance(tensor, (list, tuple)):
         from .fusion import grouped_allreduce
 
-        nbytes = sum(_nbytes(t) for t in tensor)
+        nbytes = tensor_bytes(tensor)
         with agent_mod.current().collective("allreduce", nbytes, f"{len(tensor)} tensors"):
             return grouped_allreduce(list(tensor), op=op, backend=backend, comm=private_comm())
     chosen = resolve_backend(backend, tensor)
-    with agent_mod.current().collective("allreduce", _nbytes(tensor), _shape(tensor)):
+    with agent_mod.current().collective("allreduce", tensor_bytes(tensor), _shape(tensor)):
         if chosen == "mpi":
             _mpi_allreduce(tensor, op)
         else:
@@ -171,7 +174,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     if not 0 <= root < ctx.world_size:
         raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
     chosen = resolve_backend(backend, tensor)
-    with agent_mod.current().collective("broadcast", _nbytes(tensor), _shape(tensor)), \
+    with agent_mod.current().collective("broadcast", tensor_bytes(tensor), _shape(tensor)), \
             torch.no_grad():
         if chosen == "mpi":
             buf = _host_buffer(tensor, tensor.dtype)
@@ -194,7 +197,7 @@ def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     chosen = resolve_backend(backend, tensor)
     out = torch.empty((ctx.world_size, *tensor.shape), dtype=tensor.dtype,
                       device=tensor.device)
-    with agent_mod.current().collective("allgather", _nbytes(tensor), _shape(tensor)), \
+    with agent_mod.current().collective("allgather", tensor_bytes(tensor), _shape(tensor)), \
             torch.no_grad():
         if chosen == "mpi":
             send = _host_buffer(tensor, tensor.dtype)

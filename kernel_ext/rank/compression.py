@@ -89,10 +89,6 @@ def resolve(compression: Any) -> str | Method | None:
                      "mpilab.TopK(ratio=…)")
 
 
-def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
 @dataclass
 class TrafficMeter:
     """Bytes sent per step and the running compression ratio, as "log" records.
@@ -184,7 +180,7 @@ class PowerSGDCompressor:
         self.steps += 1
         if self.steps <= self.cfg.dense_steps:
             collectives.allreduce(list(grads), op="mean", backend=self.backend)
-            return _nbytes(grads)
+            return collectives.tensor_bytes(grads)
         plain, mats, ps = [], [], []
         for i, g in enumerate(grads):
             if not self._compressible(g):
@@ -208,7 +204,7 @@ class PowerSGDCompressor:
             self.errors[i] = m - approx  # m holds gradient + old error
             m.copy_(approx)
             self.qs[i] = q
-        return _nbytes(plain) + _nbytes(ps) + _nbytes(qs)
+        return collectives.tensor_bytes([*plain, *ps, *qs])
 
 
 class TopKCompressor:
@@ -239,7 +235,7 @@ class TopKCompressor:
         for g in grads:
             g.copy_(dense[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
-        return _nbytes([values, index32])
+        return collectives.tensor_bytes([values, index32])
 
 
 def make_compressor(method: Method, backend: str = "mpi") -> PowerSGDCompressor | TopKCompressor:
@@ -262,7 +258,7 @@ class CompressedGradSync:
     def __init__(self, model: nn.Module, method: Method, clock: Any):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.compressor = make_compressor(method, "mpi")
-        self.meter = TrafficMeter(_nbytes(self.params))
+        self.meter = TrafficMeter(collectives.tensor_bytes(self.params))
         self.clock = clock
         self.enabled = True
         self.pending = False
@@ -321,7 +317,7 @@ def _powersgd_bytes(state: Any) -> Callable[[Any], int]:
     def bytes_of(bucket) -> int:
         buffer = bucket.buffer()
         if state.iter < state.start_powerSGD_iter:
-            return buffer.numel() * buffer.element_size()
+            return collectives.tensor_bytes(buffer)
         numel = 0
         for g in bucket.gradients():
             n = g.shape[0]  # torch views each gradient as (shape[0], -1)
@@ -343,7 +339,9 @@ class _TopKDDP:
 
     def __call__(self, state, bucket):
         buffer = bucket.buffer()
-        compressor = self.compressors.setdefault(bucket.index(), TopKCompressor(self.cfg, "torch"))
+        compressor = self.compressors.get(bucket.index())
+        if compressor is None:
+            compressor = self.compressors[bucket.index()] = TopKCompressor(self.cfg, "torch")
         compressor.reduce([buffer])
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(buffer)
@@ -356,7 +354,7 @@ class _TopKDDP:
 
 def ddp_hook(method: Method, model: nn.Module, clock: Any) -> Callable:
     """The DDP comm hook for `method` (backend "torch"); it counts its own bytes."""
-    dense = _nbytes([p for p in model.parameters() if p.requires_grad])
+    dense = collectives.tensor_bytes([p for p in model.parameters() if p.requires_grad])
     if isinstance(method, PowerSGD):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 

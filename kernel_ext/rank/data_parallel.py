@@ -451,7 +451,7 @@ def _allgather_json(obj: Any) -> list:
     return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
 
 
-def check_same_parameters(model: nn.Module) -> None:
+def check_same_parameters(model: nn.Module, wrapper: str = "DataParallel") -> None:
     """Every rank must hold the same parameters: name the first difference and the ranks."""
     mine = [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()]
     everyone = _allgather_json(mine)
@@ -462,12 +462,12 @@ def check_same_parameters(model: nn.Module) -> None:
         for (n0, s0, d0), (n1, s1, d1) in zip(reference, theirs, strict=False):
             if (n0, s0, d0) != (n1, s1, d1):
                 raise ValueError(
-                    f"DataParallel: parameter {n0!r} is {list(s0)} {d0} on rank 0 but rank "
+                    f"{wrapper}: parameter {n0!r} is {list(s0)} {d0} on rank 0 but rank "
                     f"{rank} has {n1!r} {list(s1)} {d1}; every rank must build the same model")
         longer = reference if len(reference) > len(theirs) else theirs
         first_extra = longer[min(len(reference), len(theirs))][0]
         raise ValueError(
-            f"DataParallel: rank 0 has {len(reference)} parameters but rank {rank} has "
+            f"{wrapper}: rank 0 has {len(reference)} parameters but rank {rank} has "
             f"{len(theirs)} (first extra: {first_extra!r}); every rank must build the same model")
 
 

@@ -17,6 +17,12 @@ import time
 
 REPORT_PREFIX = "mpilab-engine-exit"
 WATCH_INTERVAL_S = 0.25
+KERNEL_PID_ENV = "MPILAB_KERNEL_PID"  # the notebook kernel whose death ends its cluster
+
+
+def watched_kernel_pid() -> int:
+    """The pid of the notebook kernel that started this cluster (0: none to watch)."""
+    return int(os.environ.get(KERNEL_PID_ENV, "0"))
 _CHILD_FLAG = "--mpilab-engine-child"
 
 
@@ -64,7 +70,7 @@ def supervise(argv: list[str]) -> int:
                                   _CHILD_FLAG, *argv])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: os.kill(child, signum))
-    kernel = int(os.environ.get("MPILAB_KERNEL_PID", "0"))
+    kernel = watched_kernel_pid()
     while True:
         try:
             pid, status = os.waitpid(child, os.WNOHANG)

@@ -65,7 +65,7 @@ class _Averaging(ModelWrapper):
         self.backend = backend
         self.world_size = ctx.world_size
         self.steps = 0
-        check_same_parameters(model)
+        check_same_parameters(model, name)
         with torch.no_grad():  # every rank starts from rank 0's weights
             for tensor in (*model.parameters(), *model.buffers()):
                 collectives.broadcast(tensor.data, root=0, backend=backend)
@@ -76,7 +76,7 @@ class _Averaging(ModelWrapper):
         self._param_ids = {id(p) for p in params}
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._clock = _StepClock()
-        self.meter = TrafficMeter(sum(p.numel() * p.element_size() for p in params))
+        self.meter = TrafficMeter(collectives.tensor_bytes(params))
         # Rewrapping (a rerun cell) replaces the earlier wrap, DataParallel's hooks too.
         for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
             handle.remove()
@@ -125,7 +125,7 @@ class _Averaging(ModelWrapper):
 
     def _average(self, tensors: list[torch.Tensor]) -> int:
         collectives.allreduce(tensors, op="mean", backend=self.backend)
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return collectives.tensor_bytes(tensors)
 
 
 
