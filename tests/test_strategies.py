@@ -101,6 +101,13 @@ dp = mpilab.DataParallel(plain)  # and DataParallel replaces a strategy
 records.clear()
 train(dp, 2)
 out["replaced_by_dp_logs"] = sum(1 for k, _ in records if k == "log")
+plain = make()
+mpilab.LocalSGD(plain, period=1)
+ddp = mpilab.DataParallel(plain, backend="torch")  # DDP's hooks: none of mpilab's
+records.clear()
+train(ddp, 2)
+out["replaced_by_ddp_logs"] = sum(1 for k, _ in records if k == "log")
+out["replaced_by_ddp_steps"] = sum(1 for k, _ in records if k == "step")
 
 import gc
 net = make()
@@ -258,6 +265,7 @@ def test_rewrapping_a_model_replaces_the_earlier_strategy(strategies):
     for rank in strategies:
         assert rank["rewrap_logs"] == 2
         assert rank["replaced_by_dp_logs"] == 0
+        assert rank["replaced_by_ddp_logs"] == 0 and rank["replaced_by_ddp_steps"] == 2
         assert rank["unkept_wrapper_spreads"][1] == 0.0 < rank["unkept_wrapper_spreads"][0]
 
 

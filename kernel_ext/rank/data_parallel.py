@@ -516,12 +516,14 @@ class DataParallel(ModelWrapper):
         super().__init__()
         ctx = bootstrap.context()
         self.config = DataParallelConfig(backend, bucket_mb, compression)
-        if isinstance(model, DataParallel):
-            raise ValueError("the model is already a mpilab.DataParallel: wrap the plain "
-                             "model (its .module) instead")
+        if isinstance(model, ModelWrapper):
+            raise ValueError(f"the model is already wrapped by {type(model).__name__}: "
+                             "wrap the plain model (its .module) instead")
         self.module = model
         self._clock = _StepClock()
         check_same_parameters(model)
+        # a strategy that wrapped this model before (a rerun cell) stops at its next step
+        model.__dict__.pop("_mpilab_strategy", None)
         if self.config.backend == "torch":
             self._ddp = _wrap_ddp(model, self.config, ctx.device, self._clock)
             self._sync = None

@@ -108,7 +108,7 @@ class _Averaging(ModelWrapper):
         raise NotImplementedError
 
     def _after_step(self) -> None:
-        if "_mpilab_grad_hooks" in self.module.__dict__:  # DataParallel wrapped it since
+        if self.module.__dict__.get("_mpilab_strategy") is not self:  # rewrapped since
             _live.discard(self)
             return
         self.steps += 1
