@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import torch
 from torch import nn
 
 from . import agent as agent_mod
-from . import collectives
+from . import collectives, waiting
 
 _NAMES = ("fp16", "bf16", "powersgd", "topk")
 
@@ -156,6 +157,11 @@ class PowerSGDCompressor:
     def __init__(self, cfg: PowerSGD, backend: str = "mpi"):
         self.cfg = cfg
         self.backend = backend
+        self.reset()
+
+    def reset(self) -> None:
+        """Start over from the dense warm-up: after an aborted step the ranks' step
+        counts (dense or compressed next) and warm starts may differ."""
         self.steps = 0
         self.errors: dict[int, torch.Tensor] = {}
         self.qs: dict[int, torch.Tensor] = {}
@@ -213,6 +219,10 @@ class TopKCompressor:
     def __init__(self, cfg: TopK, backend: str = "mpi"):
         self.cfg = cfg
         self.backend = backend
+        self.reset()
+
+    def reset(self) -> None:
+        """Drop the error feedback (recovery starts every compressor afresh)."""
         self.error: torch.Tensor | None = None
 
     def reduce(self, grads: Sequence[torch.Tensor]) -> int:
@@ -267,6 +277,14 @@ class CompressedGradSync:
             handle.remove()
         model.__dict__["_mpilab_grad_hooks"] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        _live_syncs.add(self)
+        waiting.on_recover(_reset_live_syncs)
+
+    def reset(self) -> None:
+        """No step in flight, compression from its warm-up: the state every rank can
+        agree on after an abort without talking."""
+        self.pending = False
+        self.compressor.reset()
 
     def _on_grad(self, p: nn.Parameter) -> None:
         if self.enabled and not self.pending:
@@ -286,6 +304,14 @@ class CompressedGradSync:
         self.clock.nbytes += nbytes
         self.meter.report(self.clock.step + 1, nbytes)
         self.clock.synced(elapsed)
+
+
+_live_syncs: weakref.WeakSet[CompressedGradSync] = weakref.WeakSet()
+
+
+def _reset_live_syncs() -> None:
+    for sync in list(_live_syncs):
+        sync.reset()
 
 
 class _CountingHook:
