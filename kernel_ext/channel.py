@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import csv
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
 }
 MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
 MAX_BATCH_RECORDS = 1000
+# The ranks send at the same moments (agent.SEND_INTERVAL_S); their batches count as
+# one round until the socket has been quiet this long, and a round ends after at most:
+ROUND_QUIET_S = 0.01
+ROUND_MAX_S = 0.05
 
 
 def validate(record, world_size: int) -> bool:
@@ -67,6 +72,27 @@ class MetricsStore:
     _buffers: dict = field(default_factory=dict)
     _unordered: set = field(default_factory=set)  # buffers whose times ever went back
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _listeners: list = field(default_factory=list)
+
+    def subscribe(self, listener) -> None:
+        """Call `listener()` on the receiver's thread after each round of records: a
+        reader that must be quick (the dashboard) acts when data comes, without polling."""
+        with self._lock:
+            self._listeners = [*self._listeners, listener]
+
+    def unsubscribe(self, listener) -> None:
+        with self._lock:
+            self._listeners = [other for other in self._listeners if other != listener]
+
+    def notify(self) -> None:
+        """A round of records is filed: tell the listeners (the receiver calls this)."""
+        for listener in self._listeners:
+            try:
+                listener()
+            except Exception:  # noqa: BLE001 - one reader's failure must not stop the channel
+                logging.getLogger("mpilab").exception(
+                    "metrics listener %r failed; it gets no more rounds", listener)
+                self.unsubscribe(listener)
 
     def _buffer(self, kind: str, rank: int) -> collections.deque:
         key = (kind, rank)
@@ -253,12 +279,19 @@ class RecordReceiver:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            while True:
-                try:
-                    raw = self._sock.recv(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self.store.add_raw(raw)
+            round_ends = time.monotonic() + ROUND_MAX_S
+            self._drain()
+            while time.monotonic() < round_ends and poller.poll(1e3 * ROUND_QUIET_S):
+                self._drain()
+            self.store.notify()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                raw = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.store.add_raw(raw)
 
     def close(self) -> None:
         self._stop.set()

@@ -1,6 +1,7 @@
 """What appears under a running `%%ranks` cell besides its text: the training dashboard
 and rank 0's progress bar. The runner calls `tick()` on every relay tick and `finish()`
-at the end; both are cheap when the cell logs nothing."""
+at the end; both are cheap when the cell logs nothing. Once shown, the dashboard
+redraws itself as records arrive (`Dashboard.follow`)."""
 
 from __future__ import annotations
 
@@ -34,12 +35,10 @@ class LiveViews:
         dash = self.dashboard
         if dash is None:
             return
-        if self._dashboard_id is None:
-            if dash.has_data():
-                self._dashboard_id = uuid.uuid4().hex
-                display(dash.mimebundle(), raw=True, display_id=self._dashboard_id)
-        else:
-            dash.refresh()  # cheap when nothing is new; draws what a throttle held back
+        if self._dashboard_id is None and dash.has_data():
+            # shown, it follows the store: the record receiver's thread redraws it
+            self._dashboard_id = uuid.uuid4().hex
+            display(dash.mimebundle(), raw=True, display_id=self._dashboard_id)
 
     def finish(self, ranks: list[int] | None = None) -> None:
         """Final drawing; with `ranks`, first wait (briefly) for their last records."""

@@ -134,8 +134,8 @@ class Session:
         display(figure_bundle(bench_figure(rows, ceiling)), raw=True)
 
     def show_dashboard(self) -> None:
-        """The dashboard of the latest run, kept live by a refresher thread."""
-        import contextvars
+        """The dashboard of the latest run. It follows the run's records until they
+        stop for a minute (a later run has its own under its cell)."""
         import threading
         import time
 
@@ -149,18 +149,17 @@ class Session:
         if not dash.has_data():
             raise ClusterError("no training metrics yet: run a cell that uses "
                                "mpilab.DataParallel or mpilab.log(...)")
-        display(dash.mimebundle(), raw=True)
+        display(dash.mimebundle(), raw=True)  # from now on it follows the store
 
-        def keep_fresh():
-            idle_since = time.monotonic()
+        def stop_when_idle():
+            drawn, idle_since = dash.redraws, time.monotonic()
             while time.monotonic() - idle_since < 60 and self.cluster.running:
-                if dash.refresh():
-                    idle_since = time.monotonic()
-                time.sleep(0.25)
+                time.sleep(1)
+                if dash.redraws != drawn:
+                    drawn, idle_since = dash.redraws, time.monotonic()
+            dash.unfollow()
 
-        context = contextvars.copy_context()
-        threading.Thread(target=context.run, args=(keep_fresh,), daemon=True,
-                         name="mpilab-dashboard").start()
+        threading.Thread(target=stop_when_idle, daemon=True, name="mpilab-dashboard").start()
 
     def show_status(self):
         """A live table of the ranks (a text table where there is no widget frontend)."""

@@ -1,8 +1,9 @@
 """The live training dashboard: throughput, step-time split, loss and bandwidth.
 
-One plotly FigureWidget fed from the MetricsStore. The runner calls `refresh()` on
-every relay tick; the widget redraws at most 4 times a second and only when new
-records arrived, and each trace is downsampled so a long run stays cheap to draw.
+One plotly FigureWidget fed from the MetricsStore. While it is shown it follows the
+store: it redraws as each round of records arrives (the ranks send 4 rounds a second,
+together), at most ~4 times a second and only when the run logged something new, and
+each trace is downsampled so a long run stays cheap to draw.
 When the run ends its output becomes a static plot and the widget is kept for the next
 run's dashboard: each new FigureWidget sends plotly's 5 MB widget code to the browser.
 """
@@ -22,7 +23,9 @@ from plotly.subplots import make_subplots
 
 from .plotting import WIDGET_VIEW_MIME, downsample, figure_bundle, figure_html, rank_color
 
-MIN_REDRAW_INTERVAL_S = 0.25  # at most 4 redraws a second, whatever the record rate
+# at most ~4 redraws a second whatever the record rate; a little under the ranks' send
+# interval (0.25 s), as rounds arrive a few ms early or late
+MIN_REDRAW_INTERVAL_S = 0.23
 REDRAW_BUDGET = 10  # and at least 10x a redraw's own duration between two redraws
 SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # A step's time is compute plus the communication it waited for (the rest overlapped
@@ -77,23 +80,27 @@ class _RunLog:
         self.last_log_step: int | None = None
         self._lock = threading.Lock()
 
-    def update(self, store) -> _RunLog:
-        with self._lock:  # the relay thread and a final display may both read
+    def update(self, store) -> int:
+        """Take the records that arrived since the last call; how many were the run's."""
+        with self._lock:  # the receiver's thread and a final display may both read
             upto = store.sequence
+            taken = 0
             rows: dict[int, list] = defaultdict(list)
             for rec in store.records("step", since=self.since, after=self.after, upto=upto):
                 rows[rec["r"]].append([rec[c] for c in STEP_COLUMNS])
             for rank, new in rows.items():
                 self._table(self.steps, rank, len(STEP_COLUMNS)).extend(new)
+                taken += len(new)
             logged: dict[str, list] = defaultdict(list)
             for rec in store.records("log", since=self.since, after=self.after, upto=upto):
                 for name, value in rec["values"].items():
                     logged[name].append((rec["step"], value))
                 self.last_log_step = max(self.last_log_step or 0, rec["step"])
+                taken += 1
             for name, new in logged.items():
                 self._table(self.scalars, name, 2).extend(new)
             self.after = upto
-        return self
+        return taken
 
     def _table(self, tables: dict, key, width: int) -> _Columns:
         table = tables.get(key)
@@ -142,6 +149,7 @@ class Dashboard:
         self._figure: go.FigureWidget | None = None
         self._figure_lock = threading.Lock()
         self._ended = False
+        self._following = False
 
     @property
     def figure(self) -> go.FigureWidget:
@@ -162,10 +170,10 @@ class Dashboard:
 
     # -- what the runner calls ----------------------------------------------------------
     def refresh(self, force: bool = False) -> bool:
-        """Redraw if there is something new and the last redraw is old enough.
+        """Redraw if the run logged something new and the last redraw is old enough.
 
-        Cheap when there is nothing to do (two comparisons), so it can be called on
-        every tick; safe to call from the relay thread of a --noblock cell.
+        Cheap when there is nothing to do, so it can be called on every relay tick and
+        every round of records; safe from any thread.
         """
         if self._ended:
             return False  # the widget belongs to a later run now
@@ -179,6 +187,10 @@ class Dashboard:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is drawing this very moment
         try:
+            # heartbeats change the store's version too: they are not worth a redraw
+            if not self._runlog.update(self.store) and not force:
+                self._drawn_version = version
+                return False
             self._drawn_version, self._drawn_at = version, now
             figure = self.figure  # made once; its first-time cost is not a redraw's
             started = time.perf_counter()
@@ -191,6 +203,21 @@ class Dashboard:
         finally:
             self._lock.release()
         return True
+
+    def follow(self) -> None:
+        """Redraw on the record receiver's thread as rounds of records arrive: the data
+        is in the widget a few ms after it reaches the notebook, with no polling."""
+        with self._figure_lock:
+            if self._following or self._ended:
+                return
+            self._following = True
+        self.store.subscribe(self.refresh)
+
+    def unfollow(self) -> None:
+        with self._figure_lock:
+            following, self._following = self._following, False
+        if following:
+            self.store.unsubscribe(self.refresh)
 
     def has_data(self) -> bool:
         """True once the run has sent any step or log record (then the runner displays it)."""
@@ -220,6 +247,7 @@ class Dashboard:
             self._end()
             return figure_bundle(self._static(snapshot), text=self._summary(snapshot))
         self.refresh(force=True)  # the view starts with the data there is now
+        self.follow()
         return {
             WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
                                "model_id": self.figure.model_id},
@@ -231,6 +259,7 @@ class Dashboard:
         return self.mimebundle()
 
     def _end(self) -> None:
+        self.unfollow()
         with self._lock:  # not while a thread is drawing into the widget
             self._ended = True
         with self._figure_lock:
@@ -327,7 +356,8 @@ class Dashboard:
     def _snapshot(self) -> _Snapshot:
         """The plots' data. The run's records are read once each, as they arrive (a
         redraw late in a long run costs what arrived since the last one, plus numpy)."""
-        runlog = self._runlog.update(self.store)
+        runlog = self._runlog
+        runlog.update(self.store)
         snap = _Snapshot()
         for r, table in runlog.steps.items():
             steps, dur, comm, compute, nbytes, samples = table.view()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import linecache
+import math
 import os
 import socket
 import sys
@@ -19,7 +20,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 HEARTBEAT_INTERVAL_S = 0.5
-SEND_INTERVAL_S = 0.05  # records reach the notebook within this (batched, not one by one)
+# Records leave in batches at wall-clock multiples of this, the same moments on every
+# rank: the notebook gets all ranks' batches together and draws the dashboard once for
+# them, as they arrive. A record reaches the notebook within this; each send wakes this
+# process, its ZMQ thread and the notebook kernel, on cores the training shares.
+SEND_INTERVAL_S = 0.25
 BATCH_RECORDS = 100  # records per message (well under the receiver's size limit)
 MAX_QUEUED_RECORDS = 50_000
 
@@ -146,12 +151,14 @@ class Agent:
         sock.connect(self.address)
         pack = msgpack.Packer(use_bin_type=True).pack
         next_beat = 0.0
+        next_send = 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
                 if now >= next_beat:
                     self._queue.append(self.heartbeat())
-                    next_beat = now + HEARTBEAT_INTERVAL_S
+                    # due again at the send tick nearest to one interval from now
+                    next_beat = now + HEARTBEAT_INTERVAL_S - SEND_INTERVAL_S / 2
                 while self._queue:
                     # one message per batch: each message costs wake-ups and system
                     # calls in this process, the ZMQ thread and the notebook kernel
@@ -163,11 +170,20 @@ class Agent:
                         break  # the notebook is not reading: drop rather than block
                     except (TypeError, ValueError):
                         continue  # a record msgpack cannot carry: its batch is dropped
-                # no wake-up per record: the training thread never waits on this one
-                self._wake.wait(max(0.0, min(SEND_INTERVAL_S, next_beat - time.monotonic())))
+                # no wake-up per record: the training thread never waits on this one;
+                # flush() sends at once, and the ticks stay where they were
+                if time.time() >= next_send:
+                    next_send = next_send_time(time.time())
+                self._wake.wait(max(0.0, next_send - time.time()))
                 self._wake.clear()
         finally:
             sock.close()
+
+
+def next_send_time(now: float) -> float:
+    """The first multiple of SEND_INTERVAL_S (epoch seconds) after `now`: hosts whose
+    clocks agree (NTP) send together too."""
+    return (math.floor(now / SEND_INTERVAL_S) + 1) * SEND_INTERVAL_S
 
 
 _MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
