@@ -274,7 +274,7 @@ NOBLOCK_CELL = f"""\
 dash = Dashboard(store, world_size=2)
 def feed(steps={FED_STEPS}):
     deadline = time.monotonic() + 60
-    while dash.figure._view_count < 1 and time.monotonic() < deadline:
+    while dash.widget._view_count < 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # start once the browser shows the plot
     for step in range(steps):
         add_step(step)

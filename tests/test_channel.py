@@ -245,3 +245,43 @@ def test_store_files_a_batch_and_drops_only_its_bad_records():
     # more than a batch holds: one malformed message, none of its records filed
     assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))
     assert store.dropped == 2 and len(store.records("step")) == 6
+
+
+def test_listeners_hear_of_each_round_and_a_failing_one_is_dropped():
+    store = MetricsStore(world_size=2)
+    heard = []
+
+    def broken():
+        raise RuntimeError("a reader's bug")
+
+    store.subscribe(broken)
+    store.subscribe(lambda: heard.append(store.received))
+    store.add(GOOD["step"])
+    store.notify()
+    store.notify()
+    assert heard == [1, 1]  # the broken listener did not stop the next one, twice
+    assert broken not in store._listeners  # and is not called again
+    store.unsubscribe(store._listeners[0])
+    store.notify()
+    assert heard == [1, 1]
+
+
+def test_receiver_tells_listeners_once_per_round_of_batches():
+    """The ranks send at the same moments: their batches make one round, one redraw."""
+    store = MetricsStore(world_size=2)
+    rounds = []
+    store.subscribe(lambda: rounds.append(store.received))
+    receiver = RecordReceiver(store)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(receiver.address)
+        batches = [msgpack.packb([with_(GOOD["step"], r=rank, step=s) for s in range(5)])
+                   for rank in range(2)]
+        for batch in batches:
+            push.send(batch)
+        wait_for(lambda: rounds)
+        time.sleep(0.2)
+        assert rounds == [10]
+    finally:
+        push.close(linger=0)
+        receiver.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from mpilab.cluster import ClusterConfig, ClusterError, find_mpiexec
+from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.runner import OutputRelay, format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
@@ -126,3 +127,12 @@ def test_auto_mode_transformer_leaves_control_cells_alone():
     for control in ("%mpilab auto off\n", "%%ranks 0\n", "%load_ext mpilab\n"):
         assert _run_on_ranks([control]) == [control]
     assert _run_on_ranks(["\n"]) == ["\n"]
+
+
+def test_ranks_send_records_at_the_same_wall_clock_ticks():
+    """Every rank's batch of a round leaves at the same moment (one redraw for all)."""
+    assert SEND_INTERVAL_S == 0.25  # 4 rounds a second: the dashboard's latency target
+    assert next_send_time(1000.1) == 1000.25
+    assert next_send_time(1000.25) == 1000.5  # strictly after now
+    ticks = {next_send_time(1000.0 + offset) for offset in (0.001, 0.1, 0.249)}
+    assert ticks == {1000.25}

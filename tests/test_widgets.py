@@ -118,7 +118,7 @@ def test_dashboard_figures_from_synthetic_store():
     dash = Dashboard(store, world_size=2)
     assert dash.has_data()
     assert dash.refresh()
-    fig = dash.figure
+    fig = dash.widget.to_figure()  # what the browser draws
     names = [t.name for t in fig.data]
     assert names[:3] == ["rank 0", "rank 1", "total"]
     assert {"compute", "comm wait", "loss", "acc"} <= set(names)
@@ -154,9 +154,10 @@ def test_dashboard_total_waits_for_all_ranks_and_since_hides_old_runs():
         store.add(step_record(1, step))
     dash = Dashboard(store, world_size=2, since=T0)
     dash.refresh()
-    total = dash.figure.data[2]
+    shown = dash.widget.to_figure()
+    total = shown.data[2]
     assert list(total.x) == [2.0]  # step 3: rank 1 has not reported yet
-    assert list(dash.figure.data[0].x) == [2.0, 3.0]  # step 1 is the run's warm-up
+    assert list(shown.data[0].x) == [2.0, 3.0]  # step 1 is the run's warm-up
 
 
 def test_dashboard_has_data_only_for_step_or_log_records():
@@ -167,10 +168,10 @@ def test_dashboard_has_data_only_for_step_or_log_records():
                "ts": T0, "dur": 0.1})
     assert not dash.has_data()
     assert not dash.refresh()
-    assert dash._figure is None  # no widget (and its 5 MB of code) for a cell without metrics
+    assert dash._widget is None  # no widget (and its 4.6 MB of code) for a cell without metrics
     store.add(log_record(1, 0, loss=2.0))
     assert dash.has_data()
-    assert dash.refresh() and dash._figure is not None
+    assert dash.refresh() and dash._widget is not None
 
 
 def test_dashboard_refresh_is_throttled_and_skips_unchanged_store():
@@ -202,15 +203,17 @@ def test_dashboard_bounds_points_per_trace():
         store.add(log_record(0, step, loss=1.0))
     dash = Dashboard(store, world_size=1)
     dash.refresh()
-    assert max(len(t.x) for t in dash.figure.data) <= MAX_POINTS
-    assert dash.figure.data[0].x[-1] == 9_999
+    shown = dash.widget.to_figure()
+    assert max(_len(t.x) for t in shown.data) <= MAX_POINTS
+    assert shown.data[0].x[-1] == 9_999
 
 
 def test_dashboard_mimebundle_has_widget_and_static_fallbacks():
     dash = Dashboard(filled_store(steps=10), world_size=2)
     bundle = dash.mimebundle()
-    assert len(dash.figure.data[0].x) == 9  # the widget shown has the data (but warm-up)
-    assert bundle[WIDGET_VIEW_MIME]["model_id"] == dash.figure.model_id
+    # the widget shown has the data (but warm-up)
+    assert len(dash.widget.to_figure().data[0].x) == 9
+    assert bundle[WIDGET_VIEW_MIME]["model_id"] == dash.widget.model_id
     assert bundle[WIDGET_VIEW_MIME]["version_major"] == 2
     assert "cdn.plot.ly" in bundle["text/html"] and "Plotly.newPlot" in bundle["text/html"]
     assert bundle["text/plain"].startswith("mpilab dashboard: 2 ranks, step 9")
@@ -222,7 +225,7 @@ def test_dashboard_final_bundle_is_a_static_plot_that_keeps_the_data():
     """An ended run's output must not depend on widget state (a saved notebook, nbconvert)."""
     dash = Dashboard(filled_store(steps=10), world_size=2)
     dash.refresh()
-    dash.figure._view_count = 1  # what JupyterLab's widget manager reports
+    dash.widget._view_count = 1  # what JupyterLab's widget manager reports
     final = dash.mimebundle(final=True)
     assert WIDGET_VIEW_MIME not in final
     assert set(final) == {"application/vnd.plotly.v1+json", "text/html", "text/plain"}
@@ -232,10 +235,10 @@ def test_dashboard_final_bundle_is_a_static_plot_that_keeps_the_data():
 
 
 def test_an_ended_runs_widget_is_reused_empty_by_the_next_dashboard():
-    """Each new FigureWidget costs the browser plotly's 5 MB widget code: reuse them."""
+    """Each new widget costs the browser plotly.js (4.6 MB): reuse them."""
     first = Dashboard(filled_store(steps=10, world_size=3), world_size=3)
     first.refresh()  # adds the traces of its logged scalars, loss and acc
-    model_id = first.figure.model_id
+    model_id = first.widget.model_id
     first.mimebundle(final=True)
 
     store = MetricsStore(world_size=3)
@@ -243,13 +246,15 @@ def test_an_ended_runs_widget_is_reused_empty_by_the_next_dashboard():
         store.add(step_record(r, 1))
         store.add(step_record(r, 2))
     second = Dashboard(store, world_size=3)
-    assert second.figure.model_id == model_id
-    assert len(second.figure.data) == len(second._base_figure().data)  # no loss, no acc
-    assert all(_len(t.x) == 0 for t in second.figure.data if t.type == "scatter")
+    assert second.widget.model_id == model_id
+    emptied = second.widget.to_figure()
+    assert len(emptied.data) == len(second._figure_json([])["data"])  # no loss, no acc
+    assert all(_len(t.x) == 0 for t in emptied.data if t.type == "scatter")
     second.refresh(force=True)
-    assert list(second.figure.data[0].x) == [2]  # its own run only (step 1 is warm-up)
+    # its own run only (step 1 is warm-up)
+    assert list(second.widget.to_figure().data[0].x) == [2]
     other = Dashboard(store, world_size=3)  # while the second runs: a widget of its own
-    assert other.figure.model_id != model_id
+    assert other.widget.model_id != model_id
 
 
 def test_dashboard_refresh_from_a_thread():
@@ -262,7 +267,7 @@ def test_dashboard_refresh_from_a_thread():
     thread = threading.Thread(target=lambda: done.append(dash.refresh()))
     thread.start()
     thread.join()
-    assert done == [True] and len(dash.figure.data[0].x) == 4
+    assert done == [True] and len(dash.widget.to_figure().data[0].x) == 4
 
 
 # -- status ------------------------------------------------------------------------------
@@ -352,7 +357,7 @@ def test_bench_table():
 
 
 # -- in a real kernel ----------------------------------------------------------------------
-def test_figurewidget_updates_from_a_thread_reach_the_frontend():
+def test_widget_updates_from_a_thread_reach_the_frontend():
     """A --noblock cell's relay thread redraws while the kernel is idle: the comm
     messages it sends from that thread must reach the frontend."""
     from jupyter_client.manager import start_new_kernel
@@ -365,7 +370,7 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
             from mpilab.widgets import Dashboard
             store = MetricsStore(world_size=1)
             dash = Dashboard(store, world_size=1)
-            print(dash.figure.model_id)
+            print(dash.widget.model_id)
             def feed():
                 time.sleep(0.5)  # the cell has finished: the kernel is idle
                 store.add({"k": "step", "r": 0, "t": time.time(), "step": 1, "dur": 0.1,
@@ -387,7 +392,7 @@ def test_figurewidget_updates_from_a_thread_reach_the_frontend():
             if msg["msg_type"] == "stream" and model_id is None:
                 model_id = content["text"].strip()
             if (msg["msg_type"] == "comm_msg"
-                    and content["data"].get("state", {}).get("_py2js_restyle")):
+                    and content["data"].get("state", {}).get("series")):
                 updates.append(content["comm_id"])
         assert model_id in updates, "no widget update arrived from the thread"
     finally:
@@ -434,8 +439,8 @@ def test_dashboard_spaces_out_expensive_redraws(monkeypatch):
     store = filled_store(steps=5)
     dash = Dashboard(store, world_size=2)
     clock = dash.clock = FakeClock()
-    dash.figure  # noqa: B018 - made up front, as the first display does
-    monkeypatch.setattr(dash, "_apply", lambda *args: time.sleep(0.05))
+    dash.widget  # noqa: B018 - made up front, as the first display does
+    monkeypatch.setattr(dash, "_draw", lambda *args: time.sleep(0.05))
     assert dash.refresh()
     store.add(step_record(0, 5))
     clock.now += MIN_REDRAW_INTERVAL_S
@@ -443,3 +448,23 @@ def test_dashboard_spaces_out_expensive_redraws(monkeypatch):
     assert dash._min_interval >= 10 * 0.05
     clock.now += 5  # however long the (real) sleep took on a busy machine
     assert dash.refresh()
+
+
+def test_a_shown_dashboard_follows_the_store_until_its_run_ends():
+    """Shown, the dashboard redraws on the receiver's rounds; ended, it stops listening."""
+    store = filled_store(steps=5)
+    dash = Dashboard(store, world_size=2)
+    clock = dash.clock = FakeClock()
+    dash.mimebundle()
+    assert dash.refresh in store._listeners
+    drawn = dash.redraws
+    store.add(step_record(0, 5))
+    clock.now += MIN_REDRAW_INTERVAL_S
+    store.notify()  # what the receiver does after a round
+    assert dash.redraws == drawn + 1
+    store.add(hb_record(0))
+    clock.now += MIN_REDRAW_INTERVAL_S
+    store.notify()  # a round of heartbeats only: nothing to draw
+    assert dash.redraws == drawn + 1
+    dash.mimebundle(final=True)
+    assert store._listeners == []

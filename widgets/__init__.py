@@ -27,9 +27,9 @@ __getattr__, __dir__ = lazy_names(__name__, globals(), _API)
 
 
 def warm_up() -> None:
-    """Import plotly's widget machinery (seconds): `%load_ext` runs this on a thread, so
-    the first dashboard does not stall a training cell's output."""
-    import plotly.basewidget  # noqa: F401
+    """Import plotly, anywidget and the dashboard (seconds; this reads plotly.js too):
+    `%load_ext` runs this on a thread, so the first dashboard does not stall a training
+    cell's output."""
     from plotly.subplots import make_subplots
 
     from . import dashboard  # noqa: F401

@@ -1,16 +1,17 @@
 """The live training dashboard: throughput, step-time split, loss and bandwidth.
 
-One plotly FigureWidget fed from the MetricsStore. While it is shown it follows the
-store: it redraws as each round of records arrives (the ranks send 4 rounds a second,
-together), at most ~4 times a second and only when the run logged something new, and
-each trace is downsampled so a long run stays cheap to draw.
+A plotly figure fed from the MetricsStore, live in a LivePlot widget. While it is shown
+it follows the store: it redraws as each round of records arrives (the ranks send 4
+rounds a second, together), at most ~4 times a second and only when the run logged
+something new, and each trace is downsampled so a long run stays cheap to draw.
 When the run ends its output becomes a static plot and the widget is kept for the next
-run's dashboard: each new FigureWidget sends plotly's 5 MB widget code to the browser.
+run's dashboard: each new widget sends plotly.js (4.6 MB) to the browser.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 from collections import defaultdict
@@ -19,8 +20,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from .live_plot import LivePlot
 from .plotting import WIDGET_VIEW_MIME, downsample, figure_bundle, figure_html, rank_color
 
 # at most ~4 redraws a second whatever the record rate; a little under the ranks' send
@@ -34,7 +37,7 @@ SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
 Series = tuple[np.ndarray, np.ndarray]
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 # world size -> widgets whose run ended (no output shows them any more), for reuse
-_SPARE_WIDGETS: dict[int, list[go.FigureWidget]] = defaultdict(list)
+_SPARE_WIDGETS: dict[int, list[LivePlot]] = defaultdict(list)
 _SPARE_LOCK = threading.Lock()
 
 
@@ -145,28 +148,28 @@ class Dashboard:
         self._lock = threading.Lock()
         self._has_data = False
         self._checked_version = -1
-        self._scalar_traces: dict[str, int] = {}
-        self._figure: go.FigureWidget | None = None
-        self._figure_lock = threading.Lock()
+        self._shown_scalars: list[str] = []  # the logged scalars the widget has traces for
+        self._widget: LivePlot | None = None
+        self._widget_lock = threading.Lock()
         self._ended = False
         self._following = False
 
     @property
-    def figure(self) -> go.FigureWidget:
-        """The live widget, taken on first use: each new one sends plotly's 5 MB widget
-        code to the frontend, and most cells a dashboard watches never log a metric. A
-        widget an ended run gave back is cleared and reused."""
-        with self._figure_lock:  # the relay thread and the user may both ask first
-            if self._figure is None:
+    def widget(self) -> LivePlot:
+        """The live widget, taken on first use: each new one sends plotly.js to the
+        frontend, and most cells a dashboard watches never log a metric. A widget an
+        ended run gave back is emptied and reused."""
+        with self._widget_lock:  # the relay thread and the user may both ask first
+            if self._widget is None:
                 with _SPARE_LOCK:
                     spare = _SPARE_WIDGETS[self.world_size]
                     widget = spare.pop() if spare else None
                 if widget is None:
-                    widget = go.FigureWidget(self._base_figure())
+                    widget = LivePlot(self._figure_json([]))
                 else:
-                    _clear(widget, len(_BASE_FIGURES[self.world_size]["data"]))
-                self._figure = widget
-        return self._figure
+                    widget.show({}, figure=self._figure_json([]))
+                self._widget = widget
+        return self._widget
 
     # -- what the runner calls ----------------------------------------------------------
     def refresh(self, force: bool = False) -> bool:
@@ -192,9 +195,9 @@ class Dashboard:
                 self._drawn_version = version
                 return False
             self._drawn_version, self._drawn_at = version, now
-            figure = self.figure  # made once; its first-time cost is not a redraw's
+            widget = self.widget  # made once; its first-time cost is not a redraw's
             started = time.perf_counter()
-            self._apply(figure, self._snapshot(), self._scalar_traces)
+            self._draw(widget, self._snapshot())
             self.redraws += 1
             # a long run makes redraws dearer: space them so drawing never takes more
             # than 1/REDRAW_BUDGET of the kernel's time (the ranks may share its cores)
@@ -207,14 +210,14 @@ class Dashboard:
     def follow(self) -> None:
         """Redraw on the record receiver's thread as rounds of records arrive: the data
         is in the widget a few ms after it reaches the notebook, with no polling."""
-        with self._figure_lock:
+        with self._widget_lock:
             if self._following or self._ended:
                 return
             self._following = True
         self.store.subscribe(self.refresh)
 
     def unfollow(self) -> None:
-        with self._figure_lock:
+        with self._widget_lock:
             following, self._following = self._following, False
         if following:
             self.store.unsubscribe(self.refresh)
@@ -250,7 +253,7 @@ class Dashboard:
         self.follow()
         return {
             WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
-                               "model_id": self.figure.model_id},
+                               "model_id": self.widget.model_id},
             "text/html": figure_html(self._static(snapshot)),
             "text/plain": self._summary(snapshot),
         }
@@ -262,20 +265,30 @@ class Dashboard:
         self.unfollow()
         with self._lock:  # not while a thread is drawing into the widget
             self._ended = True
-        with self._figure_lock:
-            widget, self._figure = self._figure, None
+        with self._widget_lock:
+            widget, self._widget = self._widget, None
         if widget is not None:
             with _SPARE_LOCK:
                 _SPARE_WIDGETS[self.world_size].append(widget)
 
     # -- building ---------------------------------------------------------------------------
-    def _base_figure(self) -> go.Figure:
-        """The empty dashboard. Built (and validated by plotly, ~0.1 s) once per world
-        size; later copies skip the validation: a cell's first display stays quick."""
-        cached = _BASE_FIGURES.get(self.world_size)
-        if cached is None:
-            cached = _BASE_FIGURES[self.world_size] = self._build_base_figure().to_plotly_json()
-        return go.Figure(copy.deepcopy(cached), _validate=False)
+    def _figure_json(self, scalars: list[str]) -> dict:
+        """The empty dashboard as plotly JSON, with a trace per logged scalar. The base is
+        built (and validated by plotly, ~0.1 s) once per world size: a cell's first
+        display stays quick."""
+        base = _BASE_FIGURES.get(self.world_size)
+        if base is None:
+            base = _BASE_FIGURES[self.world_size] = json.loads(
+                pio.to_json(self._build_base_figure(), validate=False))
+        figure = copy.deepcopy(base)
+        for name in scalars:
+            # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
+            # figure has no subplot grid to look rows and columns up in)
+            axis = "y5" if name in COMM_SCALARS else "y3"
+            figure["data"].append({"type": "scatter", "name": name, "mode": "lines",
+                                   "xaxis": "x3", "yaxis": axis,
+                                   "line": {"dash": "dot"} if axis == "y5" else {}})
+        return figure
 
     def _build_base_figure(self) -> go.Figure:
         fig = make_subplots(
@@ -319,39 +332,40 @@ class Dashboard:
         return fig
 
     def _static(self, snap: _Snapshot) -> go.Figure:
-        fig = self._base_figure()
-        self._apply(fig, snap, {})
+        fig = go.Figure(self._figure_json(list(snap.scalars)), _validate=False)
+        traces = self._traces(snap, list(snap.scalars))
+        # our arrays are clean float64: no per-property validation
+        fig.plotly_restyle({"x": [x for x, _ in traces.values()],
+                            "y": [y for _, y in traces.values()]}, trace_indexes=list(traces))
         return fig
 
-    def _apply(self, fig: go.Figure, snap: _Snapshot, scalar_traces: dict[str, int]) -> None:
-        """Put a snapshot's data into the figure's traces in one batched update."""
+    def _draw(self, widget: LivePlot, snap: _Snapshot) -> None:
+        """Every trace's data in one message; the figure too when scalars were added."""
+        scalars = list(snap.scalars)  # in order of first appearance: traces only grow
+        added = scalars != self._shown_scalars
+        self._shown_scalars = scalars
+        widget.show(self._traces(snap, scalars),
+                    figure=self._figure_json(scalars) if added else None)
+
+    def _traces(self, snap: _Snapshot, scalars: list[str]) -> dict[int, Series]:
+        """Trace index -> (x, y) of every trace of the figure that `_figure_json(scalars)`
+        makes, downsampled."""
         w = self.world_size
-        for name in snap.scalars:  # add_trace cannot be batched, and is rare
-            if name not in scalar_traces:
-                # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
-                # figure has no subplot grid to look rows and columns up in)
-                axis = "y5" if name in COMM_SCALARS else "y3"
-                fig.add_trace(go.Scatter(name=name, mode="lines", xaxis="x3", yaxis=axis,
-                                         line={"dash": "dot"} if axis == "y5" else {}))
-                scalar_traces[name] = len(fig.data) - 1
         empty = (np.empty(0), np.empty(0))
-        traces: dict[int, tuple] = {}  # trace index -> (x, y)
+        traces: dict[int, Series] = {}
         for r in range(w):
             traces[r] = downsample(*snap.throughput.get(r, empty))
-            traces[w + 1 + len(SPLIT_PARTS) + r] = downsample(*snap.bandwidth.get(r, empty))
         traces[w] = downsample(*snap.total)
         ranks = np.arange(w, dtype=float)
         for part in range(len(SPLIT_PARTS)):
             traces[w + 1 + part] = (ranks, np.array([snap.split.get(r, (0.0, 0.0))[part]
                                                      for r in range(w)]))
-        for name, index in scalar_traces.items():
-            traces[index] = downsample(*snap.scalars.get(name, empty))
-        # One restyle of every trace: our arrays are already clean float64, so plotly's
-        # per-property validation (half a redraw's cost) is skipped, and the widget sends
-        # them as binary buffers in one restyle.
-        indexes = list(traces)
-        fig.plotly_restyle({"x": [traces[i][0] for i in indexes],
-                            "y": [traces[i][1] for i in indexes]}, trace_indexes=indexes)
+        for r in range(w):
+            traces[w + 1 + len(SPLIT_PARTS) + r] = downsample(*snap.bandwidth.get(r, empty))
+        first_scalar = 2 * w + 1 + len(SPLIT_PARTS)
+        for i, name in enumerate(scalars):
+            traces[first_scalar + i] = downsample(*snap.scalars.get(name, empty))
+        return traces
 
     def _snapshot(self) -> _Snapshot:
         """The plots' data. The run's records are read once each, as they arrive (a
@@ -387,14 +401,6 @@ class Dashboard:
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
         return ", ".join(parts)
-
-
-def _clear(widget: go.FigureWidget, base_traces: int) -> None:
-    """Empty a reused widget: the traces of logged scalars go, the rest lose their data."""
-    if len(widget.data) > base_traces:
-        widget.data = widget.data[:base_traces]
-    empty = np.empty(0)
-    widget.plotly_restyle({"x": [empty], "y": [empty]}, trace_indexes=list(range(base_traces)))
 
 
 def _total(series: list[Series]) -> Series:
