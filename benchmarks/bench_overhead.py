@@ -67,20 +67,23 @@ def train_phases(phases, steps, untimed):
     return rates
 """
 
+# Records reach the widget when a redraw takes them: stamp each log record with the
+# time of the redraw that drew it (read incrementally: the probe must not cost what a
+# scan of the whole run would, on the receiver's thread, at every redraw)
 LATENCY_PROBE = """
 import time
 import mpilab.widgets.dashboard as _d
-_latencies, _seen = [], set()
+_latencies = []
 _refresh = _d.Dashboard.refresh
 def _timed_refresh(self, force=False):
     drawn = _refresh(self, force)
     if drawn:
         now = time.time()
-        for rec in self.store.records("log", since=self.since):
-            key = (rec["r"], rec["step"], rec["t"])
-            if key not in _seen:
-                _seen.add(key)
-                _latencies.append(now - rec["t"])
+        upto = self._runlog.after  # what the widget has now
+        for rec in self.store.records("log", since=self.since,
+                                      after=getattr(self, "_probe_after", 0), upto=upto):
+            _latencies.append(now - rec["t"])
+        self._probe_after = upto
     return drawn
 _d.Dashboard.refresh = _timed_refresh
 """
