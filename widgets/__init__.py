@@ -11,6 +11,7 @@ from mpilab._lazy import lazy_names
 # public name -> module that defines it (relative to this package)
 _API = {
     "Dashboard": ".dashboard",
+    "LivePlot": ".live_plot",
     "StatusTable": ".status",
     "status_text": ".status",
     "bench_figure": ".bench",
