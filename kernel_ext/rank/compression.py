@@ -124,30 +124,28 @@ class Traffic:
     steps: int = 0
 
 
+_counting: list[Traffic] = []  # the open traffic() blocks
+
+
+def count_step(nbytes: int) -> None:
+    """A training step sent `nbytes`: every strategy's step clock reports here."""
+    for counted in _counting:
+        counted.nbytes += nbytes
+        counted.steps += 1
+
+
 @contextmanager
 def traffic() -> Iterator[Traffic]:
     """Count the bytes this rank's training steps send inside the block, whatever the
-    strategy (DataParallel, compressed or not, LocalSGD, EASGD): the sum of the ``nbytes``
-    of their "step" records. For comparing strategies side by side in one notebook."""
-    agent = agent_mod.current()
-    own = agent.__dict__.get("emit")  # an instance-level emit (tests) is kept
-    inner = agent.emit
+    strategy (DataParallel, compressed or not, LocalSGD, EASGD): the same figure as
+    their "step" records' ``nbytes``. For comparing strategies side by side in one
+    notebook."""
     counted = Traffic()
-
-    def emit(kind: str, **fields: Any) -> None:
-        if kind == "step":
-            counted.nbytes += int(fields["nbytes"])
-            counted.steps += 1
-        inner(kind, **fields)
-
-    agent.emit = emit
+    _counting.append(counted)
     try:
         yield counted
     finally:
-        if own is None:
-            del agent.emit
-        else:
-            agent.emit = own
+        _counting.remove(counted)
 
 
 # ------------------------------------------------------------------------- compressors

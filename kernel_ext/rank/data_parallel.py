@@ -35,7 +35,7 @@ from torch import nn
 
 from . import agent as agent_mod
 from . import bootstrap, collectives, waiting
-from .compression import CompressedGradSync, Method, ddp_hook
+from .compression import CompressedGradSync, Method, count_step, ddp_hook
 from .compression import resolve as resolve_compression
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
@@ -91,6 +91,7 @@ class _StepClock:
         agent.state.step = self.step
         agent.emit("step", step=self.step, dur=dur, compute=max(0.0, dur - exposed_wait_s),
                    comm=self.comm_s, nbytes=self.nbytes, samples=self.samples)
+        count_step(self.nbytes)
         self.last_sync = now
         self.first_forward = None
         self.samples = 0
