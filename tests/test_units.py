@@ -136,3 +136,27 @@ def test_ranks_send_records_at_the_same_wall_clock_ticks():
     assert next_send_time(1000.25) == 1000.5  # strictly after now
     ticks = {next_send_time(1000.0 + offset) for offset in (0.001, 0.1, 0.249)}
     assert ticks == {1000.25}
+
+
+def test_recovery_hooks_of_replaced_objects_drop_out(monkeypatch):
+    """A rewrapped model's old gradient sync must not be reset (or kept alive) forever."""
+    import gc
+
+    from mpilab.rank import waiting
+
+    monkeypatch.setattr(waiting, "_recover_hooks", [])  # only this test's hooks run
+    calls = []
+
+    class Sync:
+        def reset(self):
+            calls.append(self)
+
+    kept, replaced = Sync(), Sync()
+    for sync in (kept, replaced, kept):  # the same hook twice is registered once
+        waiting.on_recover(sync.reset)
+    del replaced
+    gc.collect()
+    waiting.abort("test")
+    waiting.recover()
+    assert calls == [kept] and not waiting.aborted()
+    assert len(waiting._recover_hooks) == 1

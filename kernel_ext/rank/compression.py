@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -275,8 +274,7 @@ class CompressedGradSync:
             handle.remove()
         model.__dict__["_mpilab_grad_hooks"] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        _live_syncs.add(self)
-        waiting.on_recover(_reset_live_syncs)
+        waiting.on_recover(self.reset)
 
     def reset(self) -> None:
         """No step in flight, compression from its warm-up: the state every rank can
@@ -302,14 +300,6 @@ class CompressedGradSync:
         self.clock.nbytes += nbytes
         self.meter.report(self.clock.step + 1, nbytes)
         self.clock.synced(elapsed)
-
-
-_live_syncs: weakref.WeakSet[CompressedGradSync] = weakref.WeakSet()
-
-
-def _reset_live_syncs() -> None:
-    for sync in list(_live_syncs):
-        sync.reset()
 
 
 class _CountingHook:

@@ -25,7 +25,6 @@ import json
 import queue
 import threading
 import time
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +145,6 @@ class _CommThread:
         self.queue: queue.SimpleQueue[_Bucket] = queue.SimpleQueue()
         self.threaded = threaded
         self.busy = False
-        self.syncs: weakref.WeakSet[_MPIGradSync] = weakref.WeakSet()
         if threaded:
             threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True).start()
 
@@ -167,7 +165,8 @@ class _CommThread:
         """After an abort (every rank, together): drop queued buckets, take a new comm.
 
         The abort is still set while recovery hooks run, so the bucket in flight fails
-        fast; every DataParallel then starts its next backward from a clean state.
+        fast; each gradient sync's own reset (registered after this) then starts its
+        next backward from a clean state.
         """
         while True:
             try:
@@ -179,8 +178,6 @@ class _CommThread:
         while self.busy:
             time.sleep(0.001)
         self.comm = collectives.private_comm("data_parallel")  # renewed by recovery
-        for sync in list(self.syncs):
-            sync.reset()
 
     def _process(self, bucket: _Bucket) -> None:
         start = time.perf_counter()
@@ -245,7 +242,7 @@ class _MPIGradSync:
                 handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         model.__dict__["_mpilab_grad_hooks"] = handles
         self.reset()
-        self.comm_thread.syncs.add(self)
+        waiting.on_recover(self.reset)  # after the comm thread's recovery: it drains first
 
     def reset(self) -> None:
         """No bucket filled or in flight: the state between two steps."""

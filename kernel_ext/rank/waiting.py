@@ -14,8 +14,10 @@ mpilab's private communicators and shared-memory state, then clears the abort.
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 # Spin briefly first (small messages finish in microseconds), then back off.
@@ -24,7 +26,8 @@ _MAX_SLEEP_S = 0.002
 
 _abort = threading.Event()
 _abort_reason = ["aborted"]
-_recover_hooks: list[Callable[[], None]] = []
+# each gives its hook, or None once the object of a bound-method hook is gone
+_recover_hooks: list[Callable[[], Callable[[], None] | None]] = []
 
 
 class CollectiveAborted(RuntimeError):
@@ -47,15 +50,23 @@ def check_abort() -> None:
 
 
 def on_recover(hook: Callable[[], None]) -> None:
-    """Register a collective reset (all ranks run them, in registration order)."""
-    if hook not in _recover_hooks:
-        _recover_hooks.append(hook)
+    """Register a collective reset (all ranks run them, in registration order). A bound
+    method is held weakly: the reset of a gradient sync that a rewrap replaced goes
+    with it."""
+    if any(ref() == hook for ref in _recover_hooks):
+        return
+    _recover_hooks.append(weakref.WeakMethod(hook) if inspect.ismethod(hook)
+                          else lambda: hook)
 
 
 def recover() -> None:
     """Collectively rebuild mpilab's communication state after an abort (all ranks)."""
-    for hook in _recover_hooks:
-        hook()
+    for ref in list(_recover_hooks):
+        hook = ref()
+        if hook is None:
+            _recover_hooks.remove(ref)
+        else:
+            hook()
     _abort.clear()
 
 
