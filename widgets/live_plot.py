@@ -1,10 +1,10 @@
 """A plotly plot in JupyterLab whose traces take new data in one message.
 
 plotly's FigureWidget sends four comm messages per update and keeps a validated copy of
-the figure in Python: about 1.6 ms of kernel time an update, and the dashboard redraws
-4 times a second on cores the ranks train on. This widget draws with the same plotly.js
-(shipped once per widget, as FigureWidget does) and takes a redraw's arrays as binary
-buffers in one state update (about 0.15 ms).
+the figure in Python; the dashboard redraws 4 times a second on cores the ranks train
+on. This widget draws with the same plotly.js (shipped once per widget, as FigureWidget
+does) and takes a redraw's arrays as binary buffers in one state update: about a fifth
+of FigureWidget's kernel time per update (benchmarks/bench_redraw.py).
 """
 
 from __future__ import annotations
