@@ -114,8 +114,9 @@ class MetricsStore:
         if not (isinstance(payload, list) and 0 < len(payload) <= MAX_BATCH_RECORDS
                 and all(isinstance(record, dict) for record in payload)):
             payload = [payload]  # anything else is one malformed message
+        now, monotonic_now = time.time(), time.monotonic()
         with self._lock:  # one acquisition per batch, not one per record
-            filed = [self._file(record, time.time(), time.monotonic()) for record in payload]
+            filed = [self._file(record, now, monotonic_now) for record in payload]
         return all(filed)
 
     def add(self, record) -> bool:

@@ -23,7 +23,7 @@ from mpilab.widgets import (
     status_text,
 )
 from mpilab.widgets.dashboard import MIN_REDRAW_INTERVAL_S
-from mpilab.widgets.plotting import EXACT_POINTS, MAX_POINTS, WIDGET_VIEW_MIME
+from mpilab.widgets.plotting import EXACT_POINTS, MAX_POINTS, WIDGET_VIEW_MIME, GrowingSeries
 
 T0 = 1_700_000_000.0
 
@@ -106,6 +106,46 @@ def test_downsample_old_buckets_are_stable_as_points_arrive():
     assert np.array_equal(a[1][:full_buckets], b[1][:full_buckets])
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_growing_series_downsamples_as_if_drawn_from_scratch(seed):
+    """Redraws reuse the bucket means of earlier ones; what they show must not depend
+    on how the points arrived (in batches, late values for a step, out of order)."""
+    rng = np.random.default_rng(seed)
+    series = GrowingSeries(max_points=300, exact=50)
+    step, points = 0, {}
+    while step < 8_000:
+        batch = int(rng.integers(1, 300))
+        for s in range(step, step + batch):
+            points[s] = [float(rng.random())]
+        series.extend(np.arange(step, step + batch), [v[0] for v in points.values()][-batch:])
+        step += batch
+        for _ in range(int(rng.integers(0, 3))):  # another rank's value for a recent step
+            s = int(rng.integers(max(0, step - 80), step))
+            value = float(rng.random())
+            points[s].append(value)
+            series.average_in(s, value)
+        expected = downsample(np.array(list(points)), [np.mean(v) for v in points.values()],
+                              max_points=300, exact=50)
+        shown = series.downsampled()
+        assert len(shown[0]) == len(expected[0]) <= 300
+        assert np.allclose(shown, expected, rtol=1e-12, atol=0)
+    # a value for a step that never had one goes in its place, however old
+    series.average_in(10.5, 7.0)
+    x, _ = series.downsampled()
+    assert np.all(np.diff(x) > 0) and series.n == len(points) + 1
+
+
+def test_growing_series_keeps_a_bounded_history():
+    series = GrowingSeries(max_points=100, exact=10, history=1000)
+    for start in range(0, 7000, 70):
+        series.extend(np.arange(start, start + 70), np.ones(70))
+        series.downsampled()
+    assert 500 <= series.n <= 1000 and series.x[-1] == 6999
+    assert np.array_equal(series.x, np.arange(7000 - series.n, 7000))
+    x, y = series.downsampled()
+    assert np.allclose(y, 1) and np.allclose(x, downsample(series.x, series.y, 100, 10)[0])
+
+
 def test_human_bytes():
     assert [human_bytes(n) for n in (512, 4096, 1536, 1 << 20, 64 << 20, 3 << 30)] == [
         "512", "4K", "1.5K", "1M", "64M", "3G"]
@@ -158,6 +198,38 @@ def test_dashboard_total_waits_for_all_ranks_and_since_hides_old_runs():
     total = shown.data[2]
     assert list(total.x) == [2.0]  # step 3: rank 1 has not reported yet
     assert list(shown.data[0].x) == [2.0, 3.0]  # step 1 is the run's warm-up
+
+
+def test_dashboard_drawn_round_by_round_shows_what_one_draw_would():
+    """Each redraw derives only the newly arrived records; the result must be the same as
+    drawing the whole run at once, whatever order the ranks' records came in (a rank that
+    starts late, a rank's loss for a step the other already logged)."""
+    store = MetricsStore(world_size=2)
+    live = Dashboard(store, world_size=2)
+    rng = np.random.default_rng(3)
+    lagging: list[dict] = []
+    for start in range(0, 3000, 150):
+        for step in range(start, start + 150):
+            store.add(step_record(0, step, dur=float(rng.uniform(0.1, 0.2))))
+            store.add(log_record(0, step, loss=float(rng.random())))
+            lagging += [step_record(1, step, dur=float(rng.uniform(0.1, 0.2))),
+                        log_record(1, step, loss=float(rng.random()))]
+        if start:  # rank 1's records reach the notebook a round late: it starts late
+            for record in lagging[:300]:
+                store.add(record)
+            del lagging[:300]
+        live.refresh(force=True)
+    for record in lagging:
+        store.add(record)
+    live.refresh(force=True)
+    at_once = Dashboard(store, world_size=2)
+    at_once.refresh()
+    shown, expected = live.widget.to_figure(), at_once.widget.to_figure()
+    assert [t.name for t in shown.data] == [t.name for t in expected.data]
+    for got, want in zip(shown.data, expected.data):
+        assert np.allclose(got.x, want.x) and np.allclose(got.y, want.y), got.name
+    total = expected.data[2]  # of both ranks, from step 1 (step 0 is warm-up) to 2999
+    assert len(total.x) <= MAX_POINTS and total.x[0] < 3 and total.x[-1] == 2999
 
 
 def test_dashboard_has_data_only_for_step_or_log_records():

@@ -10,6 +10,7 @@ run's dashboard: each new widget sends plotly.js (4.6 MB) to the browser.
 
 from __future__ import annotations
 
+import collections
 import copy
 import json
 import threading
@@ -24,7 +25,13 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from .live_plot import LivePlot
-from .plotting import WIDGET_VIEW_MIME, downsample, figure_bundle, figure_html, rank_color
+from .plotting import (
+    WIDGET_VIEW_MIME,
+    GrowingSeries,
+    figure_bundle,
+    figure_html,
+    rank_color,
+)
 
 # at most ~4 redraws a second whatever the record rate; a little under the ranks' send
 # interval (0.25 s), as rounds arrive a few ms early or late
@@ -45,79 +52,146 @@ COMM_SCALARS = frozenset({"bytes_sent", "compression_ratio"})  # what strategies
 STEP_COLUMNS = ("step", "dur", "comm", "compute", "nbytes", "samples")
 
 
-class _Columns:
-    """A table of float rows that grows by appending, kept as one numpy array (a
-    redraw reads views, not a conversion of every row so far)."""
+class _RankSteps:
+    """One rank's step records, as the plots use them."""
 
-    def __init__(self, width: int, max_rows: int):
-        self.max_rows = max_rows
-        self._data = np.empty((64, width))
-        self._n = 0
+    def __init__(self):
+        self.rows = 0
+        self.first: Series | None = None  # its first step (warm-up): shown while alone
+        self.throughput = GrowingSeries()  # step -> samples/s
+        self.bandwidth = GrowingSeries()  # step -> GB/s
+        self.recent: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)  # (compute, dur)
 
-    def extend(self, rows: list) -> None:
-        new = np.asarray(rows, dtype=float).reshape(len(rows), self._data.shape[1])
-        if self._n + len(new) > len(self._data):
-            keep = self._data[max(0, self._n - self.max_rows):self._n]
-            grown = np.empty((max(2 * len(self._data), len(keep) + len(new)),
-                              self._data.shape[1]))
-            grown[:len(keep)] = keep
-            self._data, self._n = grown, len(keep)
-        self._data[self._n:self._n + len(new)] = new
-        self._n += len(new)
+    def add(self, rows: np.ndarray) -> list[tuple[float, float]]:
+        """Rows of STEP_COLUMNS; returns the (step, samples/s) points they added."""
+        steps, dur, comm, compute, nbytes, samples = rows.T
+        ok = dur > 0
+        rates = np.divide(samples, dur, out=np.zeros(len(dur)), where=ok)
+        if self.rows == 0 and ok[0]:
+            self.first = (steps[:1], rates[:1])
+        if self.rows == 0:  # a run's first step is warm-up: it would dwarf the rest
+            ok[0] = False
+        self.rows += len(rows)
+        self.throughput.extend(steps[ok], rates[ok])
+        moving = (comm > 0) & (nbytes > 0)
+        self.bandwidth.extend(steps[moving], nbytes[moving] / comm[moving] / 1e9)
+        self.recent.extend(zip(compute[-SPLIT_WINDOW:], dur[-SPLIT_WINDOW:]))
+        return list(zip(steps[ok].tolist(), rates[ok].tolist()))
 
-    def view(self) -> np.ndarray:
-        """The newest max_rows rows, as columns."""
-        return self._data[max(0, self._n - self.max_rows):self._n].T
+    def shown_throughput(self) -> Series:
+        if self.rows == 1 and self.first is not None:
+            return self.first
+        return self.throughput.downsampled()
+
+    def split(self) -> tuple[float, float]:
+        """Mean compute time and mean wait for communication over the recent steps."""
+        compute, dur = np.mean(self.recent, axis=0)
+        return compute, max(dur - compute, 0.0)
 
 
 class _RunLog:
-    """The run's step and log records, extracted once each as they arrive."""
+    """The plots' data, derived from each of the run's step and log records once, as it
+    arrives: a redraw late in a long run costs what arrived since the last one."""
 
-    def __init__(self, since: float, max_rows: int, world_size: int):
+    def __init__(self, since: float):
         self.since = since
-        self.max_rows = max_rows  # per rank, like the store's own buffers
-        self.world_size = world_size
         self.after = 0  # the store's arrival number read up to
-        self.steps: dict[int, _Columns] = {}
-        self.scalars: dict[str, _Columns] = {}  # name -> (step, value) of every rank
-        self.last_log_step: int | None = None
+        self.ranks: dict[int, _RankSteps] = {}
+        # samples/s summed over the ranks, at the steps every rank has reported
+        self.total = GrowingSeries()
+        self._pending: dict[float, dict[int, float]] = {}  # step -> rank -> samples/s
+        self.scalars: dict[str, GrowingSeries] = {}  # name -> mean over ranks per step
+        self.last_step: int | None = None
         self._lock = threading.Lock()
 
     def update(self, store) -> int:
         """Take the records that arrived since the last call; how many were the run's."""
         with self._lock:  # the receiver's thread and a final display may both read
             upto = store.sequence
-            taken = 0
             rows: dict[int, list] = defaultdict(list)
             for rec in store.records("step", since=self.since, after=self.after, upto=upto):
                 rows[rec["r"]].append([rec[c] for c in STEP_COLUMNS])
             for rank, new in rows.items():
-                self._table(self.steps, rank, len(STEP_COLUMNS)).extend(new)
-                taken += len(new)
-            logged: dict[str, list] = defaultdict(list)
-            for rec in store.records("log", since=self.since, after=self.after, upto=upto):
-                for name, value in rec["values"].items():
-                    logged[name].append((rec["step"], value))
-                self.last_log_step = max(self.last_log_step or 0, rec["step"])
-                taken += 1
-            for name, new in logged.items():
-                self._table(self.scalars, name, 2).extend(new)
+                self._add_steps(rank, np.array(new, dtype=float))
+            logs = store.records("log", since=self.since, after=self.after, upto=upto)
+            self._add_logs(logs)
             self.after = upto
-        return taken
+        return sum(map(len, rows.values())) + len(logs)
 
-    def _table(self, tables: dict, key, width: int) -> _Columns:
-        table = tables.get(key)
-        if table is None:
-            # a scalar's table holds every rank's values
-            every_rank = tables is self.scalars
-            table = tables[key] = _Columns(
-                width, self.max_rows * (self.world_size if every_rank else 1))
-        return table
+    def snapshot(self) -> _Snapshot:
+        """The plots' data, downsampled."""
+        with self._lock:
+            return _Snapshot(
+                throughput={r: steps.shown_throughput() for r, steps in self.ranks.items()},
+                total=self.total.downsampled(),
+                split={r: steps.split() for r, steps in self.ranks.items()},
+                bandwidth={r: steps.bandwidth.downsampled() for r, steps in self.ranks.items()},
+                scalars={name: series.downsampled() for name, series in self.scalars.items()},
+                last_step=self.last_step)
+
+    def _add_steps(self, rank: int, rows: np.ndarray) -> None:
+        steps = self.ranks.get(rank)
+        if steps is None:
+            steps = self.ranks[rank] = _RankSteps()
+            if len(self.ranks) > 1:  # one more rank to wait for: total what all have
+                self._retotal()
+        self._add_to_total(rank, steps.add(rows))
+        self._saw(int(rows[:, 0].max()))
+
+    def _add_to_total(self, rank: int, points: list[tuple[float, float]]) -> None:
+        """A step counts once every rank has reported it (its first report, if twice)."""
+        done = self.total.x[-1] if self.total.n else -np.inf
+        complete = []
+        for step, rate in points:
+            if step <= done:
+                continue
+            reported = self._pending.setdefault(step, {})
+            reported.setdefault(rank, rate)
+            if len(reported) == len(self.ranks):
+                complete.append(step)
+        if complete:
+            complete.sort()
+            self.total.extend(complete, [sum(self._pending[s].values()) for s in complete])
+            self._pending = {s: r for s, r in self._pending.items() if s > complete[-1]}
+
+    def _retotal(self) -> None:
+        self.total = GrowingSeries()
+        self._pending = {}
+        for rank, steps in self.ranks.items():
+            self._add_to_total(rank, list(zip(steps.throughput.x.tolist(),
+                                              steps.throughput.y.tolist())))
+
+    def _add_logs(self, logs: list[dict]) -> None:
+        """A scalar's point at a step is the mean of the values the ranks logged there."""
+        logged: dict[str, dict[int, list]] = defaultdict(dict)  # name -> step -> [sum, count]
+        for rec in logs:
+            step = rec["step"]
+            for name, value in rec["values"].items():
+                acc = logged[name].get(step)
+                if acc is None:
+                    logged[name][step] = [value, 1]
+                else:
+                    acc[0] += value
+                    acc[1] += 1
+            self._saw(step)
+        for name, steps in logged.items():
+            series = self.scalars.get(name)
+            if series is None:
+                series = self.scalars[name] = GrowingSeries()
+            last = series.x[-1] if series.n else -np.inf
+            for step in [step for step in steps if step <= last]:  # a rank's late value
+                series.average_in(step, *steps.pop(step))
+            later = sorted(steps)
+            series.extend(later, [steps[s][0] / steps[s][1] for s in later],
+                          [steps[s][1] for s in later])
+
+    def _saw(self, step: int) -> None:
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
 
 
 @dataclass
 class _Snapshot:
-    """What the figure shows, computed from the store in one pass."""
+    """What the figure shows, downsampled."""
 
     throughput: dict[int, Series] = field(default_factory=dict)
     total: Series = (np.empty(0), np.empty(0))
@@ -142,7 +216,7 @@ class Dashboard:
         self.since = since
         self.redraws = 0
         self._min_interval = MIN_REDRAW_INTERVAL_S
-        self._runlog = _RunLog(since, getattr(store, "max_per_rank", 20_000), world_size)
+        self._runlog = _RunLog(since)
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -349,48 +423,27 @@ class Dashboard:
 
     def _traces(self, snap: _Snapshot, scalars: list[str]) -> dict[int, Series]:
         """Trace index -> (x, y) of every trace of the figure that `_figure_json(scalars)`
-        makes, downsampled."""
+        makes."""
         w = self.world_size
         empty = (np.empty(0), np.empty(0))
         traces: dict[int, Series] = {}
         for r in range(w):
-            traces[r] = downsample(*snap.throughput.get(r, empty))
-        traces[w] = downsample(*snap.total)
+            traces[r] = snap.throughput.get(r, empty)
+        traces[w] = snap.total
         ranks = np.arange(w, dtype=float)
         for part in range(len(SPLIT_PARTS)):
             traces[w + 1 + part] = (ranks, np.array([snap.split.get(r, (0.0, 0.0))[part]
                                                      for r in range(w)]))
         for r in range(w):
-            traces[w + 1 + len(SPLIT_PARTS) + r] = downsample(*snap.bandwidth.get(r, empty))
+            traces[w + 1 + len(SPLIT_PARTS) + r] = snap.bandwidth.get(r, empty)
         first_scalar = 2 * w + 1 + len(SPLIT_PARTS)
         for i, name in enumerate(scalars):
-            traces[first_scalar + i] = downsample(*snap.scalars.get(name, empty))
+            traces[first_scalar + i] = snap.scalars.get(name, empty)
         return traces
 
     def _snapshot(self) -> _Snapshot:
-        """The plots' data. The run's records are read once each, as they arrive (a
-        redraw late in a long run costs what arrived since the last one, plus numpy)."""
-        runlog = self._runlog
-        runlog.update(self.store)
-        snap = _Snapshot()
-        for r, table in runlog.steps.items():
-            steps, dur, comm, compute, nbytes, samples = table.view()
-            ok = dur > 0
-            ok[0] &= len(ok) == 1  # a run's first step is warm-up: it would dwarf the rest
-            snap.throughput[r] = (steps[ok], samples[ok] / dur[ok])
-            moving = (comm > 0) & (nbytes > 0)
-            snap.bandwidth[r] = (steps[moving], nbytes[moving] / comm[moving] / 1e9)
-            recent = slice(-SPLIT_WINDOW, None)
-            c = compute[recent].mean()
-            snap.split[r] = (c, max(dur[recent].mean() - c, 0.0))
-            snap.last_step = max(snap.last_step or 0, int(steps.max()))
-        snap.total = _total(list(snap.throughput.values()))
-        # logged scalars: the mean over the ranks that logged it at that step
-        for name, table in runlog.scalars.items():
-            snap.scalars[name] = _mean_by_step(*table.view())
-        if runlog.last_log_step is not None:
-            snap.last_step = max(snap.last_step or 0, runlog.last_log_step)
-        return snap
+        self._runlog.update(self.store)
+        return self._runlog.snapshot()
 
     def _summary(self, snap: _Snapshot) -> str:
         """One line for terminals: where the run is and how fast it goes."""
@@ -401,25 +454,3 @@ class Dashboard:
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
         return ", ".join(parts)
-
-
-def _total(series: list[Series]) -> Series:
-    """Samples/s summed over the ranks, at the steps every rank has reported (a step
-    counts once all training ranks are in)."""
-    if not series:
-        return np.empty(0), np.empty(0)
-    common = series[0][0]
-    for steps, _ in series[1:]:
-        common = np.intersect1d(common, steps)
-    total = np.zeros(len(common))
-    for steps, rates in series:
-        unique, first = np.unique(steps, return_index=True)
-        total += rates[first][np.searchsorted(unique, common)]
-    return common, total
-
-
-def _mean_by_step(steps: np.ndarray, values: np.ndarray) -> Series:
-    """The mean of the values logged at each step (by every rank that logged one)."""
-    unique, index = np.unique(steps, return_inverse=True)
-    return unique, np.bincount(index, weights=values) / np.bincount(index)
-

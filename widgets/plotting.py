@@ -12,6 +12,7 @@ from plotly.offline import get_plotlyjs_version
 
 MAX_POINTS = 2000  # per trace: the browser stays fast however long the run
 EXACT_POINTS = 500  # the newest points are never averaged, so "now" is exact
+HISTORY_POINTS = 1 << 18  # per live series (4 MB); beyond, the oldest half is dropped
 RANK_COLORS = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
@@ -36,21 +37,106 @@ def downsample(x, y, max_points: int = MAX_POINTS,
     buckets do not shift as new points arrive and the curve does not flicker between
     refreshes.
     """
-    x = np.asarray(x, dtype=float)
-    y = np.asarray(y, dtype=float)
-    n = len(x)
-    if n <= max_points:
+    series = GrowingSeries(max_points, exact, history=max(len(x), 1))
+    series.extend(x, y)
+    return series.downsampled()
+
+
+class GrowingSeries:
+    """An (x, y) series that grows at its end and keeps `downsample(x, y)` up to date
+    incrementally: the bucket means already computed are kept (two merged into one when
+    the bucket size doubles), so a redraw late in a long run costs the points that
+    arrived since the last one, not the whole run.
+
+    A point may also be a mean that takes more values later (`average_in`), and points
+    may arrive out of order (`insert`); a change inside the averaged buckets recomputes
+    them once. Beyond `history` points the oldest half is dropped.
+    """
+
+    def __init__(self, max_points: int = MAX_POINTS, exact: int = EXACT_POINTS,
+                 history: int = HISTORY_POINTS):
+        self._xyn = np.empty((3, 256))  # x, y and how many values y is the mean of
+        self.n = 0
+        self._max_points, self._exact, self._history = max_points, exact, history
+        self._size = 1  # points per cached bucket
+        self._means = np.empty((2, 0))  # (x, y) means of the first buckets of the series
+
+    @property
+    def x(self) -> np.ndarray:
+        return self._xyn[0, :self.n]
+
+    @property
+    def y(self) -> np.ndarray:
+        return self._xyn[1, :self.n]
+
+    def extend(self, x, y, counts=1) -> None:
+        x = np.asarray(x, dtype=float)
+        end = self.n + len(x)
+        if end > self._xyn.shape[1]:
+            if end > self._history:  # keep the newest half of the history
+                drop = min(self.n, end - self._history // 2)
+                self._xyn[:, :self.n - drop] = self._xyn[:, drop:self.n]
+                self.n -= drop
+                end -= drop
+                self._means = self._means[:, :0]  # buckets count from the first point
+            if end > self._xyn.shape[1]:
+                grown = np.empty((3, max(2 * self._xyn.shape[1], end)))
+                grown[:, :self.n] = self._xyn[:, :self.n]
+                self._xyn = grown
+        self._xyn[0, self.n:end] = x
+        self._xyn[1, self.n:end] = y
+        self._xyn[2, self.n:end] = counts
+        self.n = end
+
+    def average_in(self, x: float, total: float, count: int = 1) -> None:
+        """More values (`count` of them, summing to `total`) for the point at `x` (x is
+        sorted): the point becomes the mean of all its values; a new point if there is
+        none at `x`."""
+        index = int(np.searchsorted(self.x, x))
+        if index < self.n and self._xyn[0, index] == x:
+            had = self._xyn[2, index]
+            self._xyn[1, index] = (self._xyn[1, index] * had + total) / (had + count)
+            self._xyn[2, index] = had + count
+        else:  # out of order: rare, so O(n)
+            after = self.n - index
+            self.extend([x], [total / count], count)
+            index = self.n - 1 - after  # the oldest points may have been dropped
+            self._xyn[:, index + 1:self.n] = self._xyn[:, index:self.n - 1].copy()
+            self._xyn[:, index] = (x, total / count, count)
+        self._means = self._means[:, :index // self._size]  # buckets from index on are stale
+
+    def downsampled(self) -> tuple[np.ndarray, np.ndarray]:
+        """What `downsample(self.x, self.y)` gives (new arrays; equal up to rounding)."""
+        n, max_points = self.n, self._max_points
+        if n <= max_points:
+            return self.x.copy(), self.y.copy()
+        exact = min(self._exact, max_points - 1)
+        old = n - exact
+        size = _bucket_size(old, max_points - exact)
+        if size > self._size:  # the series grew: merge cached buckets in pairs
+            merge = size // self._size
+            kept = self._means.shape[1] // merge * merge
+            self._means = self._means[:, :kept].reshape(2, -1, merge).mean(axis=2)
+        elif size < self._size:  # it lost its oldest half
+            self._means = self._means[:, :0]
+        self._size = size
+        full = old // size
+        cached = self._means.shape[1]
+        if full > cached:
+            new = self._xyn[:2, cached * size:full * size].reshape(2, -1, size).mean(axis=2)
+            self._means = np.concatenate([self._means, new], axis=1)
+        parts = [self._means[:, :full]]
+        if full * size < old:  # one partial bucket just before the exact tail
+            parts.append(self._xyn[:2, full * size:old].mean(axis=1, keepdims=True))
+        parts.append(self._xyn[:2, old:n])
+        x, y = np.concatenate(parts, axis=1)
         return x, y
-    exact = min(exact, max_points - 1)
-    old, budget = n - exact, max_points - exact
-    size = 1 << math.ceil(math.log2(old / budget))
-    full = old // size * size
-    xs = [x[:full].reshape(-1, size).mean(axis=1)]
-    ys = [y[:full].reshape(-1, size).mean(axis=1)]
-    if full < old:  # one partial bucket just before the exact tail
-        xs.append(x[full:old].mean(keepdims=True))
-        ys.append(y[full:old].mean(keepdims=True))
-    return np.concatenate([*xs, x[old:]]), np.concatenate([*ys, y[old:]])
+
+
+def _bucket_size(old: int, budget: int) -> int:
+    """Points per bucket so that `old` points fit in `budget` buckets: a power of two, so
+    buckets only ever merge in pairs as the series grows."""
+    return 1 << math.ceil(math.log2(old / budget))
 
 
 def human_bytes(n: float, suffix: str = "") -> str:
