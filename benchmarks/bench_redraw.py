@@ -2,12 +2,14 @@
 costs against plotly's FigureWidget (the peer), in one real kernel, side by side.
 
 - redraw: `Dashboard.refresh` of a 2-rank run, 30 new steps per rank before each (a
-  training loop's 0.25 s between rounds), snapshot and widget update included;
+  training loop's 0.25 s between rounds), snapshot and widget update included; early
+  in the run (up to ~2,400 steps) and late in a long one (from --long steps on): a
+  redraw should cost what arrived since the last one, not the run so far;
 - update: the same arrays (10 traces of 600 points) into a shown widget, through
   `LivePlot.show` (one message) and through `FigureWidget.plotly_restyle` (plotly's
   four messages and its Python copy of the figure), interleaved, median of each.
 
-    .venv/bin/python benchmarks/bench_redraw.py [--redraws 80] [--updates 200]
+    .venv/bin/python benchmarks/bench_redraw.py [--redraws 80] [--updates 200] [--long 20000]
 """
 
 from __future__ import annotations
@@ -43,12 +45,18 @@ def feed(steps):
                        "values": {"loss": 1.0 / step}})
 feed(30)
 display(dash.mimebundle(), raw=True)
-redraws = []
-for _ in range(REDRAWS):
-    feed(30)
-    started = time.perf_counter()
-    dash.refresh(force=True)
-    redraws.append(time.perf_counter() - started)
+def redraws():
+    spent = []
+    for _ in range(REDRAWS):
+        feed(30)
+        started = time.perf_counter()
+        dash.refresh(force=True)
+        spent.append(time.perf_counter() - started)
+    return statistics.median(spent[10:]), step
+early = redraws()
+feed(LONG - step)  # late in a long run
+dash.refresh(force=True)
+late = redraws()
 
 x = np.arange(600, dtype=float)
 live = LivePlot({"data": [{"type": "scatter"} for _ in range(10)], "layout": {}})
@@ -66,7 +74,7 @@ for k in range(UPDATES):
     peer.plotly_restyle({"x": [a for a, _ in traces.values()],
                          "y": [b for _, b in traces.values()]}, trace_indexes=list(traces))
     theirs.append(time.perf_counter() - started)
-print(json.dumps({"redraw": statistics.median(redraws[10:]), "steps": step,
+print(json.dumps({"redraws": [early, late],
                   "ours": statistics.median(ours), "theirs": statistics.median(theirs)}))
 """
 
@@ -75,18 +83,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--redraws", type=int, default=80)
     parser.add_argument("--updates", type=int, default=200)
+    parser.add_argument("--long", type=int, default=20_000)  # steps of the long run
     args = parser.parse_args()
     kernel = Kernel()
     try:
         run = kernel.run(CODE.replace("REDRAWS", str(args.redraws))
-                         .replace("UPDATES", str(args.updates)), timeout=300)
+                         .replace("UPDATES", str(args.updates))
+                         .replace("LONG", str(args.long)), timeout=300)
         if not run.ok:
             raise SystemExit(run.text)
         got = json.loads(run.stdout.strip().splitlines()[-1])
     finally:
         kernel.shutdown()
-    print(f"dashboard redraw (2 ranks, 30 new steps each, up to {got['steps']} steps): "
-          f"median {1e3 * got['redraw']:.2f} ms")
+    for redraw, steps in got["redraws"]:
+        print(f"dashboard redraw (2 ranks, 30 new steps each), the run at step {steps}: "
+              f"median {1e3 * redraw:.2f} ms")
     print(f"widget update, 10 traces x 600 points: LivePlot {1e3 * got['ours']:.2f} ms, "
           f"FigureWidget {1e3 * got['theirs']:.2f} ms "
           f"({got['theirs'] / got['ours']:.1f}x; median of {args.updates} each, interleaved)")
