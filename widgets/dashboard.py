@@ -271,7 +271,7 @@ class Dashboard:
             self._drawn_version, self._drawn_at = version, now
             widget = self.widget  # made once; its first-time cost is not a redraw's
             started = time.perf_counter()
-            self._draw(widget, self._snapshot())
+            self._draw(widget, self._runlog.snapshot())  # updated just above
             self.redraws += 1
             # a long run makes redraws dearer: space them so drawing never takes more
             # than 1/REDRAW_BUDGET of the kernel's time (the ranks may share its cores)
