@@ -252,6 +252,15 @@ def make_compressor(method: Method, backend: str = "mpi") -> PowerSGDCompressor 
 
 
 # ------------------------------------------------------------------- DataParallel paths
+def replace_grad_hooks(model: nn.Module, handles: Sequence = ()) -> None:
+    """Keep `handles` as the model's gradient hooks, removing an earlier wrap's: a cell
+    that wraps the same model again would otherwise reduce every gradient twice."""
+    for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
+        handle.remove()
+    if handles:
+        model.__dict__["_mpilab_grad_hooks"] = list(handles)
+
+
 class CompressedGradSync:
     """DataParallel's MPI path when gradients are compressed.
 
@@ -269,11 +278,8 @@ class CompressedGradSync:
         self.clock = clock
         self.enabled = True
         self.pending = False
-        # a cell that wraps the same model again replaces the earlier wrap's hooks
-        for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
-            handle.remove()
-        model.__dict__["_mpilab_grad_hooks"] = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        replace_grad_hooks(model, [p.register_post_accumulate_grad_hook(self._on_grad)
+                                   for p in self.params])
         waiting.on_recover(self.reset)
 
     def reset(self) -> None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from . import agent as agent_mod
 from . import bootstrap, collectives, waiting
-from .compression import CompressedGradSync, Method, count_step, ddp_hook
+from .compression import CompressedGradSync, Method, count_step, ddp_hook, replace_grad_hooks
 from .compression import resolve as resolve_compression
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
@@ -231,16 +231,12 @@ class _MPIGradSync:
         self.enabled = True
         self.buckets = _make_buckets(params, cfg, world_size)
         self.where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        # A notebook cell that wraps the same model again replaces the earlier wrap's
-        # hooks: two sets would reduce and average every gradient twice.
-        for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
-            handle.remove()
         handles = []
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self.where[p] = (bucket, i)
                 handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        model.__dict__["_mpilab_grad_hooks"] = handles
+        replace_grad_hooks(model, handles)
         self.reset()
         waiting.on_recover(self.reset)  # after the comm thread's recovery: it drains first
 

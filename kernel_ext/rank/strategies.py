@@ -25,7 +25,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import bootstrap, collectives
-from .compression import TrafficMeter
+from .compression import TrafficMeter, replace_grad_hooks
 from .data_parallel import DataParallel, ModelWrapper, _StepClock, check_same_parameters
 
 _live: weakref.WeakSet[_Averaging] = weakref.WeakSet()
@@ -78,8 +78,7 @@ class _Averaging(ModelWrapper):
         self._clock = _StepClock()
         self.meter = TrafficMeter(collectives.tensor_bytes(params))
         # Rewrapping (a rerun cell) replaces the earlier wrap, DataParallel's hooks too.
-        for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
-            handle.remove()
+        replace_grad_hooks(model)
         earlier = model.__dict__.get("_mpilab_strategy")
         if earlier is not None:
             _live.discard(earlier)
