@@ -1,7 +1,7 @@
 """What watching costs: DataParallel training with the record channel and dashboard on
 against off, and the latency from a record on a rank to the dashboard's data.
 
-Two designs, both in one run on one cluster:
+Two designs, both in one run on one cluster, and a third reading of the second's cells:
 
 - **in one cell** (steady state): one long cell under a live dashboard turns the
   ranks' records on and off every ~1.5 s in ABBA order; each group of four phases gives
@@ -10,6 +10,11 @@ Two designs, both in one run on one cluster:
   group's figure varies by ±5% in an A/A run), hence the interval.
 - **cell against cell**: whole cells per mode (this includes what each cell pays once:
   showing the dashboard and its final static plot).
+
+- **the send cycle** (within cells): the steps of each mode's cells against the steps
+  in the quiet part of the ranks' 0.25-s send cycle, away from the rounds. It sees what
+  follows a round (sending, receiving, redrawing), with steps of the same cells as the
+  reference, so the machine's slow spells cancel out; not what a cell pays once.
 
 Cell against cell: three modes alternate, in every order in turn, median of several
 repetitions: "watched" (records and the dashboard), "records only" (the cell runs with
@@ -125,7 +130,7 @@ def cycle_cost(cells: list[np.ndarray]) -> float:
     slow spells, which make cells differ by several percent, cancel out)."""
     durations, phases = [], []
     for ends in cells:
-        ends = ends[UNTIMED_STEPS:]
+        ends = ends[UNTIMED_STEPS:]  # the cell's start: the dashboard appears then
         durations.append(np.diff(ends))
         phases.append(((ends[1:] + ends[:-1]) / 2) % SEND_INTERVAL_S / SEND_INTERVAL_S)
     duration, phase = np.concatenate(durations), np.concatenate(phases)

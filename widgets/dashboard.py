@@ -270,12 +270,14 @@ class Dashboard:
                 return False
             self._drawn_version, self._drawn_at = version, now
             widget = self.widget  # made once; its first-time cost is not a redraw's
-            started = time.perf_counter()
+            started = time.thread_time()
             self._draw(widget, self._runlog.snapshot())  # updated just above
             self.redraws += 1
-            # a long run makes redraws dearer: space them so drawing never takes more
-            # than 1/REDRAW_BUDGET of the kernel's time (the ranks may share its cores)
-            cost = time.perf_counter() - started
+            # drawing takes at most 1/REDRAW_BUDGET of a core (the ranks may share the
+            # kernel's cores) however dear a redraw gets (many scalars, a slow host). CPU
+            # time: a redraw the ranks preempted cost no more, and spacing the next ones
+            # would only delay the data
+            cost = time.thread_time() - started
             self._min_interval = max(MIN_REDRAW_INTERVAL_S, REDRAW_BUDGET * cost)
         finally:
             self._lock.release()
