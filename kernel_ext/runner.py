@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
 from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog, describe, last_checkpoint
-from .yielding import yielding_to_ranks
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
@@ -225,9 +224,7 @@ class CellRunner:
                                "brings back a full cluster") from None
         outcome = CellOutcome(ranks=ranks)
         if options.block:
-            # the kernel only waits now: its relaying and drawing give way to the ranks
-            with yielding_to_ranks():
-                self._relay(ar, ranks, options, outcome)
+            self._relay(ar, ranks, options, outcome)
             self._report(outcome, options)
             return outcome
         # --noblock: relay on a thread that carries this cell's context, so its output

@@ -6,14 +6,11 @@ import csv
 import json
 import re
 import stat
-import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
 from conftest import cluster_pids
-from mpilab.yielding import WAITING_NICE
 
 # -- bad input before any cluster -----------------------------------------------------------
 # These run first (the `lab` fixture starts the cluster later in this module).
@@ -173,41 +170,6 @@ def test_noblock_returns_at_once_and_output_lands_under_its_cell(lab):
                    if m["parent"] == cell.msg_id and m["type"] == "stream")
     assert "[rank 0] late 0" in late and "[rank 1] late 1" in late, late
     assert lab.run("%%ranks\nprint('next')").ok
-
-
-def test_kernel_gives_way_to_the_ranks_only_while_a_cell_waits(lab):
-    """While a blocking cell runs, the kernel's autogroup (its scheduling group, see
-    mpilab/yielding.py) has a lower priority; afterwards, also after an error, it is back."""
-    autogroup = Path(f"/proc/{lab.km.provisioner.process.pid}/autogroup")
-    if not autogroup.exists():  # another OS, or a Linux without autogroups: nothing to do
-        assert lab.run("%%ranks\nprint(1)").ok
-        return
-    nice = lambda: int(autogroup.read_text().split()[-1])  # noqa: E731
-    before = nice()
-    seen: list[int] = []
-    done = threading.Event()
-
-    def watch():
-        while not done.is_set():
-            seen.append(nice())
-            time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        run = lab.run("%%ranks\nimport time\ntime.sleep(1)")
-        failed = lab.run("%%ranks\nimport time\ntime.sleep(0.5)\nraise ValueError('boom')")
-    finally:
-        done.set()
-        watcher.join()
-    assert run.ok and not failed.ok and "boom" in failed.text
-    assert max(seen) == WAITING_NICE, seen
-    assert nice() == before
-    # a --noblock cell leaves the notebook working for the user: no change
-    assert lab.run("%%ranks --noblock\nimport time\ntime.sleep(0.5)").ok
-    assert nice() == before
-    assert lab.run("import time\ntime.sleep(1.5)").ok  # the --noblock cell ends
-    lab.collect_iopub(0.5)
 
 
 def test_push_pull_round_trip(lab):

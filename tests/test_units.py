@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from mpilab import yielding
 from mpilab.cluster import ClusterConfig, ClusterError, find_mpiexec
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
@@ -161,36 +160,3 @@ def test_recovery_hooks_of_replaced_objects_drop_out(monkeypatch):
     waiting.recover()
     assert calls == [kept] and not waiting.aborted()
     assert len(waiting._recover_hooks) == 1
-
-
-def test_yielding_lowers_the_autogroup_priority_for_the_block_and_restores_it(
-        tmp_path, monkeypatch):
-    autogroup = tmp_path / "autogroup"
-    monkeypatch.setattr(yielding.os, "getsid", lambda pid: yielding.os.getpid())
-
-    def nice_of(file):
-        return int(file.read_text().split()[-1])
-
-    autogroup.write_text("/autogroup-7 nice 0\n")
-    with pytest.raises(ValueError), yielding.yielding_to_ranks(8, autogroup):
-        assert nice_of(autogroup) == 8
-        raise ValueError("the cell failed")
-    assert nice_of(autogroup) == 0
-    # already as low (the user chose it): left alone
-    autogroup.write_text("/autogroup-7 nice 12\n")
-    with yielding.yielding_to_ranks(8, autogroup):
-        assert nice_of(autogroup) == 12
-    assert nice_of(autogroup) == 12
-    # no autogroups: nothing happens
-    with yielding.yielding_to_ranks(8, tmp_path / "absent"):
-        pass
-    assert not (tmp_path / "absent").exists()
-
-
-def test_yielding_leaves_a_process_that_does_not_lead_its_session_alone(tmp_path, monkeypatch):
-    """A terminal's python shares its autogroup with the shell: never lower that."""
-    autogroup = tmp_path / "autogroup"
-    autogroup.write_text("/autogroup-7 nice 0\n")
-    monkeypatch.setattr(yielding.os, "getsid", lambda pid: yielding.os.getpid() + 1)
-    with yielding.yielding_to_ranks(8, autogroup):
-        assert autogroup.read_text() == "/autogroup-7 nice 0\n"
