@@ -238,7 +238,8 @@ def main() -> None:
     cycle = {mode: cycle_cost(step_ends[mode]) for mode in MODES}
     print("  steps against the quiet part of the send cycle: " + ", ".join(
         f"{mode} {100 * cost:+.2f}%" for mode, cost in cycle.items())
-        + f"; so the records cost {100 * (cycle['records only'] - cycle['unwatched']):+.2f}%,"
+        + f"; so watching costs {100 * (cycle['watched'] - cycle['unwatched']):+.2f}%: the"
+        f" records {100 * (cycle['records only'] - cycle['unwatched']):+.2f}%,"
         f" the dashboard {100 * (cycle['watched'] - cycle['records only']):+.2f}% more")
     watched_cost = 1 - statistics.median(rates["watched"]) / off
     print(f"  target: watched costs <= 2%: {'met' if watched_cost <= 0.02 else 'missed'}; "
