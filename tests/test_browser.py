@@ -210,6 +210,14 @@ def trace_lengths(page, index: int) -> list[list[int]]:
                  .map(p => (p._fullData || []).map(t => t.x ? t.x.length : 0))""", index)
 
 
+def trace_x(page, index: int, trace: int) -> list[float]:
+    """The x values that a cell's first plot draws for one trace."""
+    return page.evaluate(
+        """([i, t]) => Array.from(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                                 .querySelector('.js-plotly-plot')._fullData[t].x)""",
+        [index, trace])
+
+
 def wait_for_plot(page, index: int, timeout_s: float = 60) -> None:
     cell(page, index).locator(".jp-OutputArea .js-plotly-plot").first.wait_for(
         timeout=timeout_s * 1000)
@@ -336,6 +344,9 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     lengths = trace_lengths(page, 1)[0]
     # throughput x2 + total (without the warm-up step), 2 bars (2 ranks), bandwidth x2, loss
     assert lengths == [FED_STEPS - 1] * 3 + [2, 2] + [FED_STEPS] * 3, lengths
+    # each redraw sent only what changed: the views put the pieces together right
+    assert trace_x(page, 1, 0) == list(range(1, FED_STEPS))
+    assert trace_x(page, 1, 7) == list(range(FED_STEPS))  # the loss
     screenshot(page, "widget_dashboard", 1)
 
     # a blocking cell that refreshes on the main thread, as the runner does

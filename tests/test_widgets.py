@@ -23,6 +23,7 @@ from mpilab.widgets import (
     status_text,
 )
 from mpilab.widgets.dashboard import MIN_REDRAW_INTERVAL_S
+from mpilab.widgets.live_plot import REBASE_SHARE, LivePlot
 from mpilab.widgets.plotting import EXACT_POINTS, MAX_POINTS, WIDGET_VIEW_MIME, GrowingSeries
 
 T0 = 1_700_000_000.0
@@ -230,6 +231,31 @@ def test_dashboard_drawn_round_by_round_shows_what_one_draw_would():
         assert np.allclose(got.x, want.x) and np.allclose(got.y, want.y), got.name
     total = expected.data[2]  # of both ranks, from step 1 (step 0 is warm-up) to 2999
     assert len(total.x) <= MAX_POINTS and total.x[0] < 3 and total.x[-1] == 2999
+
+
+def test_live_plot_sends_what_changed_and_its_state_draws_the_latest_data():
+    """A redraw of a growing, downsampled trace sends only its changed end, a fraction of
+    the data; the widget's state, which a view opening at any moment draws, always holds
+    the latest data; a new figure starts empty."""
+    plot = LivePlot({"data": [{"type": "scatter"}, {"type": "bar"}], "layout": {}})
+    sent: list[str] = []
+    plot.observe(lambda change: sent.append(change["name"]), names=["series", "tail"])
+    series, shares = GrowingSeries(), []
+    for start in range(0, 20_000, 50):
+        steps = np.arange(start, start + 50, dtype=float)
+        series.extend(steps, np.sin(steps / 300))
+        x, y = series.downsampled()
+        bars = (np.array([0.0, 1.0]), np.array([start, start + 1.0]))
+        plot.show({0: (x, y), 1: bars})
+        drawn = plot.to_figure()
+        assert np.array_equal(drawn.data[0].x, x) and np.array_equal(drawn.data[0].y, y)
+        assert list(drawn.data[1].y) == list(bars[1])
+        if plot.tail:
+            shares.append(sum(len(v) for v in plot.tail["x"]) / 8 / (len(x) + 2))
+    assert sent.count("tail") > 10 * sent.count("series"), sent.count("series")
+    assert max(shares) <= REBASE_SHARE
+    plot.show({}, figure={"data": [{"type": "scatter"}], "layout": {}})
+    assert plot.to_figure().data[0].x is None
 
 
 def test_dashboard_has_data_only_for_step_or_log_records():

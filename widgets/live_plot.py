@@ -5,6 +5,12 @@ the figure in Python; the dashboard redraws 4 times a second on cores the ranks 
 on. This widget draws with the same plotly.js (shipped once per widget, as FigureWidget
 does) and takes a redraw's arrays as binary buffers in one state update: about a fifth
 of FigureWidget's kernel time per update (benchmarks/bench_redraw.py).
+
+A redraw sends only what changed: each trace's data is the `series` sent last in full
+(the base) up to a point, then a `tail`. A downsampled trace changes only in its newest
+points, so a redraw's message is a fraction of the data; the base is sent again once the
+tails grow past a quarter of it. Both are plain widget state, so a view that opens at any
+moment (a second display, a page reload) draws the same data.
 """
 
 from __future__ import annotations
@@ -20,8 +26,15 @@ from plotly.offline import get_plotlyjs
 _RENDER_JS = r"""
 ;
 const CONFIG = { displaylogo: false, responsive: true };
-const floats = (views) => views.map(
-  (v) => new Float64Array(v.buffer.slice(v.byteOffset, v.byteOffset + v.byteLength)));
+const float64 = (v) => new Float64Array(v.buffer.slice(v.byteOffset, v.byteOffset + v.byteLength));
+
+// the base's first `keep` values, then the tail's
+const spliced = (base, keep, tail) => {
+  const out = new Float64Array(keep + tail.length);
+  out.set(base.subarray(0, keep));
+  out.set(tail, keep);
+  return out;
+};
 
 function render({ model, el }) {
   const Plotly = globalThis.Plotly;
@@ -35,7 +48,14 @@ function render({ model, el }) {
   const restyle = () => {
     const s = model.get("series");
     if (s && s.traces && s.traces.length) {
-      return Plotly.restyle(div, { x: floats(s.x), y: floats(s.y) }, s.traces);
+      const x = s.x.map(float64), y = s.y.map(float64);
+      const t = model.get("tail") || {};
+      (t.traces || []).forEach((trace, i) => {
+        const j = s.traces.indexOf(trace);
+        x[j] = spliced(x[j], t.keep[i], float64(t.x[i]));
+        y[j] = spliced(y[j], t.keep[i], float64(t.y[i]));
+      });
+      return Plotly.restyle(div, { x, y }, s.traces);
     }
   };
   const draw = () => {
@@ -43,10 +63,18 @@ function render({ model, el }) {
     return Plotly.react(div, f.data || [], f.layout || {}, CONFIG).then(restyle);
   };
   const onFigure = () => later(draw);
-  const onSeries = () => later(restyle);
+  // a new base comes with an empty tail: one restyle for both changes
+  let restyling = false;
+  const onSeries = () => {
+    if (!restyling) {
+      restyling = true;
+      later(() => { restyling = false; return restyle(); });
+    }
+  };
   later(draw);
   model.on("change:figure", onFigure);
   model.on("change:series", onSeries);
+  model.on("change:tail", onSeries);
   // drawn before JupyterLab attaches the output: fit the width once it is known
   const sized = new ResizeObserver(() => {
     if (div.offsetWidth) later(() => Plotly.Plots.resize(div));
@@ -55,6 +83,7 @@ function render({ model, el }) {
   return () => {
     model.off("change:figure", onFigure);
     model.off("change:series", onSeries);
+    model.off("change:tail", onSeries);
     sized.disconnect();
     Plotly.purge(div);
   };
@@ -64,39 +93,89 @@ export default { render };
 """
 
 
+# the base is sent again once the tails hold more than this share of the points
+REBASE_SHARE = 0.25
+Series = tuple[np.ndarray, np.ndarray]
+
+
 class LivePlot(anywidget.AnyWidget):
     """`figure` is plotly JSON (layout and trace styles), sent when traces are added;
-    `series` carries the data of the traces a redraw changes."""
+    `series` (the base) and `tail` carry the traces' data."""
 
     _esm = get_plotlyjs() + _RENDER_JS
     figure = traitlets.Dict().tag(sync=True)
     series = traitlets.Dict().tag(sync=True)
+    tail = traitlets.Dict().tag(sync=True)
 
     def __init__(self, figure: dict):
         # _view_count: the frontend reports how many views show the plot
-        super().__init__(figure=figure, series={}, _view_count=0)
+        super().__init__(figure=figure, series={}, tail={}, _view_count=0)
+        self._data: dict[int, Series] = {}  # every trace's data, as the views draw it
+        self._base: dict[int, Series] = {}  # what `series` holds
 
-    def show(self, traces: dict[int, tuple[np.ndarray, np.ndarray]],
-             figure: dict | None = None) -> None:
-        """New data for these traces (and a new figure first, when it gained traces),
+    def show(self, traces: dict[int, Series], figure: dict | None = None) -> None:
+        """New data for these traces (and a new figure first, whose traces start empty),
         in one message."""
+        if figure is not None:
+            self._data = {}
+        self._data.update({index: (_float64(x), _float64(y))
+                           for index, (x, y) in traces.items()})
+        tail = None if figure is not None else self._tail()
         with self.hold_sync():
             if figure is not None:
                 self.figure = figure
-            self.series = {"traces": list(traces),
-                           "x": [_buffer(x) for x, _ in traces.values()],
-                           "y": [_buffer(y) for _, y in traces.values()]}
+            if tail is None:
+                self._base = dict(self._data)
+                self.series = _state(self._base)
+                self.tail = {}
+            else:
+                self.tail = tail
+
+    def _tail(self) -> dict | None:
+        """The tail that turns the base into the data, or None when the base must be
+        sent again (a new trace, or tails past REBASE_SHARE of the points)."""
+        if not self._data.keys() <= self._base.keys():
+            return None
+        changed, keep = {}, []
+        for index, (x, y) in self._data.items():
+            base_x, base_y = self._base[index]
+            kept = min(_common_prefix(base_x, x), _common_prefix(base_y, y))
+            if kept < len(base_x) or kept < len(x):
+                changed[index] = (x[kept:], y[kept:])
+                keep.append(kept)
+        total = sum(len(x) for x, _ in self._data.values())
+        if sum(len(x) for x, _ in changed.values()) > REBASE_SHARE * total:
+            return None
+        return {**_state(changed), "keep": keep}
 
     def to_figure(self) -> go.Figure:
         """What the views draw, as a plotly Figure (for tests and inspection)."""
         fig = go.Figure(self.figure)
-        series = self.series
-        for index, x, y in zip(series.get("traces", []), series.get("x", []),
-                               series.get("y", [])):
-            fig.data[index].x = np.frombuffer(x, dtype=np.float64)
-            fig.data[index].y = np.frombuffer(y, dtype=np.float64)
+        data = {index: (np.frombuffer(x, dtype=np.float64), np.frombuffer(y, dtype=np.float64))
+                for index, x, y in zip(*(self.series.get(key, []) for key in ("traces", "x", "y")))}
+        tail = self.tail
+        for index, kept, x, y in zip(*(tail.get(key, []) for key in ("traces", "keep", "x", "y"))):
+            base_x, base_y = data[index]
+            data[index] = (np.concatenate([base_x[:kept], np.frombuffer(x, dtype=np.float64)]),
+                           np.concatenate([base_y[:kept], np.frombuffer(y, dtype=np.float64)]))
+        for index, (x, y) in data.items():
+            fig.data[index].x, fig.data[index].y = x, y
         return fig
 
 
-def _buffer(values: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(values, dtype=np.float64))
+def _float64(values) -> np.ndarray:
+    return np.ascontiguousarray(values, dtype=np.float64)
+
+
+def _state(traces: dict[int, Series]) -> dict:
+    """Traces as widget state: their arrays travel as binary buffers."""
+    return {"traces": list(traces),
+            "x": [memoryview(x) for x, _ in traces.values()],
+            "y": [memoryview(y) for _, y in traces.values()]}
+
+
+def _common_prefix(old: np.ndarray, new: np.ndarray) -> int:
+    """How many leading values two arrays share."""
+    n = min(len(old), len(new))
+    differ = np.flatnonzero(old[:n] != new[:n])
+    return int(differ[0]) if len(differ) else n

@@ -11,7 +11,8 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs_version
 
 MAX_POINTS = 2000  # per trace: the browser stays fast however long the run
-EXACT_POINTS = 500  # the newest points are never averaged, so "now" is exact
+EXACT_POINTS = 100  # the newest points are never averaged, so "now" is exact; few, as
+# a redraw sends the points that changed (live_plot.py): these and the newest buckets
 HISTORY_POINTS = 1 << 18  # per live series (4 MB); beyond, the oldest half is dropped
 RANK_COLORS = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
