@@ -90,11 +90,12 @@ def _timed_refresh(self, force=False):
     drawn = _refresh(self, force)
     if drawn:
         now = time.time()
-        upto = self._runlog.after  # what the widget has now
-        for rec in self.store.records("log", since=self.since,
-                                      after=getattr(self, "_probe_after", 0), upto=upto):
-            _latencies.append(now - rec["t"])
-        self._probe_after = upto
+        if not hasattr(self, "_probe_position"):
+            self._probe_position = {}
+        # the log rows the widget has now, taken since the last redraw
+        for _, _, rows in self.store.new_rows("log", self._probe_position,
+                                              upto=self._runlog.position["log"]):
+            _latencies.extend((now - rows[rows[:, 0] >= self.since, 0]).tolist())
     return drawn
 _d.Dashboard.refresh = _timed_refresh
 """

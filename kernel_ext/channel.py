@@ -3,13 +3,15 @@
 Ranks PUSH msgpack records; one receiver thread here PULLs them, validates each
 (the channel carries data, never code: msgpack only, known kinds, typed fields) and
 files them into bounded per-rank buffers that the widgets, the watchdog and the
-exporters read.
+exporters read. The per-step kinds arrive as blocks of float64 rows (agent.TABLES):
+a block is checked and filed as a whole, and the dashboard reads new rows as arrays.
 """
 
 from __future__ import annotations
 
 import collections
 import csv
+import itertools
 import json
 import logging
 import threading
@@ -18,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import zmq
+
+from .rank.agent import MAX_TABLE_ROWS, TABLES, Table, table_rows
 
 # kind -> fields that must be present, with their types
 _NUM = (int, float)
@@ -30,6 +35,7 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
     "log": {"step": (int,), "values": (dict,)},
     "span": {"name": (str,), "cat": (str,), "ts": _NUM, "dur": _NUM},
     "event": {"what": (str,)},
+    "rows": {"of": (str,), "labels": (list,), "data": (bytes,)},  # a block of a table
 }
 MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
 MAX_BATCH_RECORDS = 1000
@@ -41,6 +47,12 @@ ROUND_MAX_S = 0.05
 
 def validate(record, world_size: int) -> bool:
     """True for a well-formed record from a rank of this cluster."""
+    return _well_formed(record, world_size) and (
+        record["k"] != "rows" or block_rows(record) is not None)
+
+
+def _well_formed(record, world_size: int) -> bool:
+    """validate() but for a block's rows, which its filing checks as it reads them."""
     if not isinstance(record, dict):
         return False
     schema = RECORD_SCHEMA.get(record.get("k"))
@@ -58,6 +70,91 @@ def validate(record, world_size: int) -> bool:
     return True
 
 
+def block_rows(record: dict) -> np.ndarray | None:
+    """The rows of a `rows` record, or None when it is not a block of its table: known
+    table, its labels, whole rows, finite times and whole numbers where the table has
+    them (NaN where a column is optional)."""
+    table = TABLES.get(record["of"])
+    labels = record["labels"]
+    if table is None or len(labels) != len(table.labels) or not all(
+            isinstance(label, str) for label in labels):
+        return None
+    width = 8 * len(table.columns)
+    data = record["data"]
+    if not data or len(data) % width or len(data) // width > MAX_TABLE_ROWS:
+        return None
+    rows = np.frombuffer(data, dtype=np.float64).reshape(-1, len(table.columns))
+    if not np.isfinite(rows[:, 0]).all():
+        return None
+    for index in _whole_columns(table):
+        column = rows[:, index]
+        whole = np.isfinite(column) & (column == np.round(column))
+        if table.columns[index] in table.optional:
+            whole |= np.isnan(column)
+        if not whole.all():
+            return None
+    return rows
+
+
+def _table_blocks(record: dict) -> list[tuple[str, tuple, np.ndarray]] | None:
+    """(kind, labels, rows) that a well-formed block, or a record of a tabular kind,
+    adds to the tables; None when its numbers are not numbers (optional fields)."""
+    if record["k"] == "rows":
+        rows = block_rows(record)
+        return None if rows is None else [(record["of"], tuple(record["labels"]), rows)]
+    try:
+        return [(kind, labels, np.array([row], dtype=float))
+                for kind, labels, row in table_rows(record)]
+    except (TypeError, ValueError):
+        return None
+
+
+def _whole_columns(table: Table) -> list[int]:
+    return [i for i, column in enumerate(table.columns) if column in table.ints]
+
+
+class _Rows:
+    """One table's rows from one rank and labels, with the time they were filed: the
+    newest `limit` count; a row's number counts from the table's first."""
+
+    serials = itertools.count()
+
+    def __init__(self, width: int, limit: int):
+        self.data = np.empty((64, width + 1))  # the columns, then the filing time
+        self.n = 0
+        self.dropped = 0  # rows before data[0]
+        self.limit = limit
+        self.serial = next(self.serials)  # readers' positions belong to one table
+
+    def append(self, rows: np.ndarray, now: float) -> None:
+        end = self.n + len(rows)
+        if end > len(self.data):
+            if end > 2 * self.limit:  # amortised: down to the newest `limit` rows
+                drop = min(self.n, end - self.limit)
+                self.data[:self.n - drop] = self.data[drop:self.n]
+                self.n -= drop
+                self.dropped += drop
+                end -= drop
+            if end > len(self.data):
+                grown = np.empty((max(2 * len(self.data), end), self.data.shape[1]))
+                grown[:self.n] = self.data[:self.n]
+                self.data = grown
+        self.data[self.n:end, :-1] = rows
+        self.data[self.n:end, -1] = now
+        self.n = end
+
+    @property
+    def end(self) -> int:
+        """The number of the row after the newest."""
+        return self.dropped + self.n
+
+    def between(self, first: int = 0, end: int | None = None) -> np.ndarray:
+        """The kept rows (the newest `limit`) numbered from `first` to before `end`."""
+        first = max(first - self.dropped, self.n - self.limit, 0)
+        last = self.n if end is None else max(first, min(self.n, end - self.dropped))
+        return self.data[first:last]
+
+
 @dataclass
 class MetricsStore:
     """Bounded per-rank buffers of what the ranks reported. Thread-safe."""
@@ -65,12 +162,12 @@ class MetricsStore:
     world_size: int
     max_per_rank: int = 20_000
     dropped: int = 0
-    received: int = 0
-    version: int = 0  # bumps on every accepted record; readers poll it cheaply
+    received: int = 0  # records filed (a table's row counts as one)
+    version: int = 0  # bumps on every filing; readers poll it cheaply
     heartbeats: dict = field(default_factory=dict)
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
-    _buffers: dict = field(default_factory=dict)
-    _unordered: set = field(default_factory=set)  # buffers whose times ever went back
+    _buffers: dict = field(default_factory=dict)  # (kind, rank) -> records (events)
+    _tables: dict = field(default_factory=dict)  # kind -> (rank, labels) -> _Rows
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _listeners: list = field(default_factory=list)
 
@@ -93,13 +190,6 @@ class MetricsStore:
                 logging.getLogger("mpilab").exception(
                     "metrics listener %r failed; it gets no more rounds", listener)
                 self.unsubscribe(listener)
-
-    def _buffer(self, kind: str, rank: int) -> collections.deque:
-        key = (kind, rank)
-        buf = self._buffers.get(key)
-        if buf is None:
-            buf = self._buffers[key] = collections.deque(maxlen=self.max_per_rank)
-        return buf
 
     def add_raw(self, raw: bytes) -> bool:
         """Decode and file one message (a record or a batch of them); anything
@@ -125,51 +215,106 @@ class MetricsStore:
 
     def _file(self, record, now: float, monotonic_now: float) -> bool:
         """File one record (the lock is held)."""
-        if not validate(record, self.world_size):
-            self.dropped += 1
-            return False
-        record["recv"] = now
-        record["_n"] = self.received + 1  # arrival order: readers resume after it
-        rank = record["r"]
-        self.last_seen[rank] = monotonic_now
-        if record["k"] == "hb":
-            self.heartbeats[rank] = record
+        if not _well_formed(record, self.world_size):
+            return self._drop()
+        rank, kind = record["r"], record["k"]
+        if kind == "rows" or kind in TABLES:
+            made = _table_blocks(record)
+            if made is None:
+                return self._drop()
+            for of, labels, rows in made:
+                self._table(of, rank, labels).append(rows, now)
+            # a row counts as a record; a record as one, whatever rows it made
+            self.received += len(made[0][2]) if kind == "rows" else 1
         else:
-            buf = self._buffer(record["k"], rank)
-            if buf and record["t"] < buf[-1]["t"]:
-                self._unordered.add((record["k"], rank))
-            buf.append(record)
-        self.received += 1
+            record["recv"] = now
+            if kind == "hb":
+                self.heartbeats[rank] = record
+            else:
+                buf = self._buffers.get((kind, rank))
+                if buf is None:
+                    buf = self._buffers[(kind, rank)] = _Records(maxlen=self.max_per_rank)
+                buf.ordered = buf.ordered and (not buf or record["t"] >= buf[-1]["t"])
+                buf.append(record)
+            self.received += 1
+        self.last_seen[rank] = monotonic_now
         self.version += 1
         return True
 
-    def records(self, kind: str, rank: int | None = None, since: float = 0.0,
-                after: int = 0, upto: int | None = None) -> list[dict]:
-        """Records of one kind (all ranks unless `rank`) stamped at or after `since`
-        (epoch s) and, for incremental readers, filed after arrival number `after` and
-        up to `upto` (see `sequence`)."""
+    def _drop(self) -> bool:
+        self.dropped += 1
+        return False
+
+    def _table(self, kind: str, rank: int, labels: tuple) -> _Rows:
+        tables = self._tables.setdefault(kind, {})
+        rows = tables.get((rank, labels))
+        if rows is None:
+            rows = tables[(rank, labels)] = _Rows(len(TABLES[kind].columns), self.max_per_rank)
+        return rows
+
+    def new_rows(self, kind: str, position: dict, upto: dict | None = None
+                 ) -> list[tuple[int, tuple, np.ndarray]]:
+        """(rank, labels, rows) of a tabular kind filed since `position`, which it moves
+        on (to `upto`'s, when given: another reader's position). For readers that take
+        each row once, however long the run: a copy of the new rows, columns as in the
+        kind's Table, then the time each was filed."""
+        out = []
         with self._lock:
-            ranks = range(self.world_size) if rank is None else [rank]
-            out = []
-            for r in ranks:
-                buf = self._buffers.get((kind, r))
-                if not buf:
-                    continue
-                if after:
-                    found = _arrived_after(buf, after)
-                elif (kind, r) in self._unordered:
-                    found = list(buf)
-                else:
-                    found = _newer_than(buf, since)
-                out.extend(rec for rec in found if rec["t"] >= since
-                           and (upto is None or rec["_n"] <= upto))
+            for key, table in self._tables.get(kind, {}).items():
+                serial, first = position.get(key, (table.serial, 0))
+                if serial != table.serial:
+                    first = 0  # the store was cleared since
+                end = table.end if upto is None else upto.get(key, (table.serial, 0))[1]
+                rows = table.between(first, end)
+                position[key] = (table.serial, max(first, end))
+                if len(rows):
+                    out.append((*key, rows.copy()))
+        return out
+
+    def records(self, kind: str, rank: int | None = None, since: float = 0.0) -> list[dict]:
+        """Records of one kind (all ranks unless `rank`) stamped at or after `since`
+        (epoch s), oldest first. Tabular kinds are made into records here: for exports
+        and tests; the dashboard reads rows (`new_rows`)."""
+        ranks = range(self.world_size) if rank is None else [rank]
+        with self._lock:
+            if kind in TABLES:
+                out = [record for r in ranks for record in self._table_records(kind, r, since)]
+            else:  # events: the cell's own, read on every relay tick
+                out = [rec for r in ranks for rec in _newer_than(self._buffers.get((kind, r)),
+                                                                 since)]
         out.sort(key=lambda rec: rec["t"])
         return out
 
-    @property
-    def sequence(self) -> int:
-        """The arrival number of the newest record: `records(after=…)` resumes from it."""
-        return self.received
+    def _table_records(self, kind: str, rank: int, since: float) -> list[dict]:
+        table = TABLES[kind]
+        columns = (*table.columns, "recv")
+        records: dict[tuple, dict] = {}  # a log's scalars come back together
+        for (r, labels), rows in self._tables.get(kind, {}).items():
+            if r != rank:
+                continue
+            kept = rows.between()
+            for row in kept[kept[:, 0] >= since].tolist():
+                fields = dict(zip(columns, row))
+                for column in table.ints:
+                    value = fields.pop(column)
+                    if value == value:  # not NaN: present
+                        fields[column] = int(value)
+                if kind == "log":
+                    record = records.setdefault(
+                        (fields["t"], fields["step"]),
+                        {"k": "log", "r": rank, "t": fields["t"], "step": fields["step"],
+                         "values": {}, "recv": fields["recv"]})
+                    record["values"][labels[0]] = fields["value"]
+                else:
+                    record = {"k": kind, "r": rank, **dict(zip(table.labels, labels)), **fields}
+                    records[(len(records),)] = record
+        return list(records.values())
+
+    def has_rows(self, kinds: tuple[str, ...], since: float = 0.0) -> bool:
+        """True when a table of these kinds has a row stamped at or after `since`."""
+        with self._lock:
+            return any((rows.between()[:, 0] >= since).any()
+                       for kind in kinds for rows in self._tables.get(kind, {}).values())
 
     def heartbeat_ages(self) -> dict[int, float]:
         now = time.monotonic()
@@ -180,7 +325,7 @@ class MetricsStore:
         """Forget the metrics of the previous run (heartbeats stay)."""
         with self._lock:
             self._buffers.clear()
-            self._unordered.clear()
+            self._tables.clear()
             self.version += 1
 
     # -- exporters -------------------------------------------------------------------
@@ -229,25 +374,22 @@ class MetricsStore:
         return path
 
 
-def _newer_than(buf: collections.deque, since: float) -> list[dict]:
-    """The records at or after `since` of a time-ordered buffer, scanning back from the
-    newest: a dashboard redraw costs what the current run logged, not the history."""
-    if not since:
-        return list(buf)
+class _Records(collections.deque):
+    """One kind's records from one rank, and whether their times only ever went up."""
+
+    ordered = True
+
+
+def _newer_than(buf: _Records | None, since: float) -> list[dict]:
+    """The records at or after `since`; in time order, scanning back from the newest:
+    a reader costs what the current cell sent, not the history."""
+    if not buf:
+        return []
+    if not buf.ordered:
+        return [rec for rec in buf if rec["t"] >= since]
     newer = []
     for rec in reversed(buf):
         if rec["t"] < since:
-            break
-        newer.append(rec)
-    newer.reverse()
-    return newer
-
-
-def _arrived_after(buf: collections.deque, after: int) -> list[dict]:
-    """The records filed after arrival number `after`, scanning back from the newest."""
-    newer = []
-    for rec in reversed(buf):
-        if rec["_n"] <= after:
             break
         newer.append(rec)
     newer.reverse()

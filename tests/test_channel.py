@@ -9,9 +9,11 @@ import pickle
 import time
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from mpilab.channel import MAX_MESSAGE_BYTES, MetricsStore, RecordReceiver, validate
+from mpilab.rank.agent import BATCH_RECORDS, batches, tabulate
 
 T0 = 1_700_000_000.0
 
@@ -85,6 +87,9 @@ def test_store_records_are_time_ordered_and_filtered_by_since():
     assert [rec["t"] for rec in store.records("step")] == [T0 + 7, T0 + 8, T0 + 9, T0 + 10]
     assert [rec["step"] for rec in store.records("step", since=T0 + 9)] == [1, 0]
     assert [rec["step"] for rec in store.records("step", rank=0)] == [3, 1]
+    for i, r in enumerate([1, 0, 1, 0]):
+        store.add(with_(GOOD["event"], r=r, what=str(i), t=T0 + 10 - i))
+    assert [rec["what"] for rec in store.records("event", since=T0 + 8)] == ["2", "1", "0"]
 
 
 def test_store_buffers_are_bounded_per_rank():
@@ -245,6 +250,113 @@ def test_store_files_a_batch_and_drops_only_its_bad_records():
     # more than a batch holds: one malformed message, none of its records filed
     assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))
     assert store.dropped == 2 and len(store.records("step")) == 6
+
+
+def run_records(rank: int, steps: int) -> list[dict]:
+    """What a rank's DataParallel step and `mpilab.log` make, with an event between."""
+    out = []
+    for step in range(steps):
+        t = T0 + step
+        out += [with_(GOOD["span"], r=rank, t=t, ts=t - 0.01, seq=step),
+                with_(GOOD["step"], r=rank, t=t, step=step),
+                with_(GOOD["log"], r=rank, t=t, step=step, values={"loss": 1 / (step + 1),
+                                                                   "acc": step / 10})]
+        if step == 1:
+            out.append(with_(GOOD["event"], r=rank, t=t))
+    return out
+
+
+def test_blocks_of_rows_file_as_the_records_they_came_from():
+    """The agent sends the per-step kinds as blocks of rows; the store gives back the
+    records that went in, and readers of rows take each row once."""
+    sent, one_by_one = MetricsStore(world_size=2), MetricsStore(world_size=2)
+    for rank in range(2):
+        records = run_records(rank, 5)
+        for record in records:
+            assert one_by_one.add(dict(record))
+        blocks = tabulate(rank, [dict(record) for record in records])
+        assert [b["k"] for b in blocks] == ["rows"] * 4 + ["event"]  # step, span, 2 scalars
+        assert sent.add_raw(msgpack.packb(blocks))
+    for kind in ("step", "span", "log", "event"):
+        got, want = sent.records(kind), one_by_one.records(kind)
+        assert [without_recv(r) for r in got] == [without_recv(r) for r in want], kind
+    assert sent.records("step", rank=1)[0]["nbytes"] == 4096  # ints stay ints
+    assert sent.received == 2 * (5 * 4 + 1)  # a row counts as a record
+    position: dict = {}
+    first = sent.new_rows("step", position)
+    assert sorted(rank for rank, _, _ in first) == [0, 1]
+    assert all(rows[:, 1].tolist() == [0, 1, 2, 3, 4] for _, _, rows in first)
+    assert sent.new_rows("step", position) == []
+    sent.add(with_(GOOD["step"], r=0, step=5))
+    (rank, labels, rows), = sent.new_rows("step", position)
+    assert (rank, labels, rows[:, 1].tolist()) == (0, (), [5])
+
+
+def without_recv(record: dict) -> dict:
+    return {k: v for k, v in record.items() if k != "recv"}
+
+
+def block(**changes) -> dict:
+    good = {"k": "rows", "r": 0, "t": T0, "of": "step", "labels": [],
+            "data": np.array([[T0, 3, 0.1, 0.07, 0.02, 4096, 32]]).tobytes()}
+    return {**good, **changes}
+
+
+@pytest.mark.parametrize("bad", [
+    block(of="exec"),
+    block(labels=["extra"]),
+    block(of="log", labels=[7], data=np.array([[T0, 1, 0.5]]).tobytes()),
+    block(data=b""),
+    block(data=np.array([T0, 3, 0.1]).tobytes()),  # not whole rows
+    block(data=np.array([[np.nan, 3, 0.1, 0.07, 0.02, 4096, 32]]).tobytes()),  # no time
+    block(data=np.array([[T0, 3.5, 0.1, 0.07, 0.02, 4096, 32]]).tobytes()),  # a half step
+    block(data=np.array([[T0, np.inf, 0.1, 0.07, 0.02, 4096, 32]]).tobytes()),
+    block(data=np.zeros((1001, 7)).tobytes()),  # more rows than a block holds
+    block(data="text"),
+])
+def test_malformed_blocks_are_dropped_and_counted(bad):
+    store = MetricsStore(world_size=2)
+    assert store.add(block())
+    assert not validate(bad, world_size=2)
+    assert not store.add_raw(msgpack.packb([bad]))
+    assert store.dropped == 1 and store.received == 1
+
+
+def test_a_record_whose_optional_field_is_no_number_is_dropped():
+    store = MetricsStore(world_size=2)
+    assert validate(with_(GOOD["span"], seq="x"), world_size=2)  # the schema has no seq
+    assert not store.add(with_(GOOD["span"], seq="x"))
+    assert store.dropped == 1 and store.records("span") == []
+
+
+def test_a_span_without_its_optional_fields_keeps_without_them():
+    store = MetricsStore(world_size=2)
+    assert store.add_raw(msgpack.packb(tabulate(0, [with_(GOOD["span"], r=0, nbytes=...,
+                                                          seq=...)])))
+    (span,) = store.records("span")
+    assert "nbytes" not in span and "seq" not in span and span["name"] == "allreduce"
+
+
+def test_row_readers_keep_their_place_in_bounded_tables():
+    store = MetricsStore(world_size=1, max_per_rank=100)
+    position: dict = {}
+    taken = []
+    for start in range(0, 1000, 30):
+        for step in range(start, start + 30):
+            store.add(with_(GOOD["step"], r=0, step=step, t=T0 + step))
+        for _, _, rows in store.new_rows("step", position):
+            taken += rows[:, 1].astype(int).tolist()
+    assert taken == list(range(1020))  # each row once, though only 100 are kept
+    assert [r["step"] for r in store.records("step")] == list(range(920, 1020))
+
+
+def test_messages_stay_under_the_receivers_limits():
+    records = [with_(GOOD["log"], r=0, step=i, values={f"s{j}": 1.0 for j in range(40)})
+               for i in range(1000)]
+    blocks = tabulate(0, records)
+    assert len(blocks) == 40
+    for part in batches(blocks):
+        assert len(part) <= BATCH_RECORDS and len(msgpack.packb(part)) <= MAX_MESSAGE_BYTES
 
 
 def test_listeners_hear_of_each_round_and_a_failing_one_is_dropped():

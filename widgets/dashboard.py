@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
+from mpilab.rank.agent import TABLES
 from plotly.subplots import make_subplots
 
 from .live_plot import LivePlot
@@ -50,6 +51,9 @@ _SPARE_LOCK = threading.Lock()
 
 COMM_SCALARS = frozenset({"bytes_sent", "compression_ratio"})  # what strategies log
 STEP_COLUMNS = ("step", "dur", "comm", "compute", "nbytes", "samples")
+# where they are in the store's rows of steps, and a log row's step and value
+_STEP_INDEX = [TABLES["step"].columns.index(column) for column in STEP_COLUMNS]
+_LOG_INDEX = [TABLES["log"].columns.index(column) for column in ("step", "value")]
 
 
 class _RankSteps:
@@ -95,7 +99,7 @@ class _RunLog:
 
     def __init__(self, since: float):
         self.since = since
-        self.after = 0  # the store's arrival number read up to
+        self.position: dict[str, dict] = {"step": {}, "log": {}}  # the store's rows taken
         self.ranks: dict[int, _RankSteps] = {}
         # samples/s summed over the ranks, at the steps every rank has reported
         self.total = GrowingSeries()
@@ -105,18 +109,15 @@ class _RunLog:
         self._lock = threading.Lock()
 
     def update(self, store) -> int:
-        """Take the records that arrived since the last call; how many were the run's."""
+        """Take the rows that arrived since the last call; how many were the run's."""
         with self._lock:  # the receiver's thread and a final display may both read
-            upto = store.sequence
-            rows: dict[int, list] = defaultdict(list)
-            for rec in store.records("step", since=self.since, after=self.after, upto=upto):
-                rows[rec["r"]].append([rec[c] for c in STEP_COLUMNS])
-            for rank, new in rows.items():
-                self._add_steps(rank, np.array(new, dtype=float))
-            logs = store.records("log", since=self.since, after=self.after, upto=upto)
-            self._add_logs(logs)
-            self.after = upto
-        return sum(map(len, rows.values())) + len(logs)
+            taken = 0
+            for rank, _, rows in store.new_rows("step", self.position["step"]):
+                rows = rows[rows[:, 0] >= self.since]
+                if len(rows):
+                    self._add_steps(rank, rows[:, _STEP_INDEX])
+                    taken += len(rows)
+            return taken + self._add_logs(store.new_rows("log", self.position["log"]))
 
     def snapshot(self) -> _Snapshot:
         """The plots' data, downsampled."""
@@ -161,29 +162,30 @@ class _RunLog:
             self._add_to_total(rank, list(zip(steps.throughput.x.tolist(),
                                               steps.throughput.y.tolist())))
 
-    def _add_logs(self, logs: list[dict]) -> None:
+    def _add_logs(self, logs: list[tuple[int, tuple, np.ndarray]]) -> int:
         """A scalar's point at a step is the mean of the values the ranks logged there."""
-        logged: dict[str, dict[int, list]] = defaultdict(dict)  # name -> step -> [sum, count]
-        for rec in logs:
-            step = rec["step"]
-            for name, value in rec["values"].items():
-                acc = logged[name].get(step)
-                if acc is None:
-                    logged[name][step] = [value, 1]
-                else:
-                    acc[0] += value
-                    acc[1] += 1
-            self._saw(step)
-        for name, steps in logged.items():
+        by_name: dict[str, list[np.ndarray]] = defaultdict(list)  # (step, value) rows
+        for _, (name,), rows in logs:
+            rows = rows[rows[:, 0] >= self.since]
+            if len(rows):
+                by_name[name].append(rows[:, _LOG_INDEX])
+        taken = 0
+        for name, parts in by_name.items():
+            steps, values = np.concatenate(parts).T
+            taken += len(steps)
+            steps, index = np.unique(steps, return_inverse=True)
+            totals, counts = np.bincount(index, weights=values), np.bincount(index)
             series = self.scalars.get(name)
             if series is None:
                 series = self.scalars[name] = GrowingSeries()
             last = series.x[-1] if series.n else -np.inf
-            for step in [step for step in steps if step <= last]:  # a rank's late value
-                series.average_in(step, *steps.pop(step))
-            later = sorted(steps)
-            series.extend(later, [steps[s][0] / steps[s][1] for s in later],
-                          [steps[s][1] for s in later])
+            late = steps <= last  # a rank's late value for a step already drawn
+            for step, total, count in zip(steps[late], totals[late], counts[late]):
+                series.average_in(step, total, count)
+            new = ~late
+            series.extend(steps[new], totals[new] / counts[new], counts[new])
+            self._saw(int(steps[-1]))
+        return taken
 
     def _saw(self, step: int) -> None:
         self.last_step = step if self.last_step is None else max(self.last_step, step)
@@ -303,8 +305,7 @@ class Dashboard:
         version = self.store.version
         if not self._has_data and version != self._checked_version:  # called every tick
             self._checked_version = version
-            self._has_data = any(self.store.records(kind, since=self.since)
-                                 for kind in ("step", "log"))
+            self._has_data = self.store.has_rows(("step", "log"), since=self.since)
         return self._has_data
 
     def static_figure(self) -> go.Figure:

@@ -4,18 +4,26 @@ Runs on every rank. Records are plain dicts packed with msgpack and PUSHed to th
 notebook kernel's PULL socket by one background thread, so the training thread
 never blocks on the network and never touches a ZMQ socket (they are not
 thread-safe). Without a notebook (a batch job), records are simply not sent.
+
+The per-step kinds (steps, spans, logged scalars: several a step) travel as tables:
+that thread turns each kind's records into rows of float64 numbers, one binary block
+per table, which the notebook files without looking at each record (it shares the
+cores the ranks train on).
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import linecache
 import math
+import operator
 import os
 import socket
 import sys
 import threading
 import time
+from array import array
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -26,7 +34,79 @@ HEARTBEAT_INTERVAL_S = 0.5
 # process, its ZMQ thread and the notebook kernel, on cores the training shares.
 SEND_INTERVAL_S = 0.25
 BATCH_RECORDS = 100  # records per message (well under the receiver's size limit)
+BATCH_BYTES = 128 * 1024  # and bytes of rows
 MAX_QUEUED_RECORDS = 50_000
+MAX_TABLE_ROWS = 1000  # rows per block: a block of 8 columns is 64 KB
+
+
+@dataclass(frozen=True)
+class Table:
+    """How records of one kind travel as rows: one table per rank and `labels` (the
+    record's text fields), one float64 column per numeric field, time first."""
+
+    labels: tuple[str, ...]
+    columns: tuple[str, ...]
+    ints: frozenset[str] = frozenset()  # whole numbers (they are ints in the records)
+    optional: frozenset[str] = frozenset()  # may be missing: NaN in the table
+
+
+TABLES = {
+    "step": Table((), ("t", "step", "dur", "compute", "comm", "nbytes", "samples"),
+                  ints=frozenset({"step", "nbytes", "samples"})),
+    "span": Table(("name", "cat"), ("t", "ts", "dur", "nbytes", "seq"),
+                  ints=frozenset({"nbytes", "seq"}), optional=frozenset({"nbytes", "seq"})),
+    # one row per logged scalar: `log(loss=…, acc=…)` is two rows at the same time
+    "log": Table(("name",), ("t", "step", "value"), ints=frozenset({"step"})),
+}
+
+
+# a record's row and labels, in C (the agent's thread turns thousands a second)
+_ROW = {kind: operator.itemgetter(*table.columns) for kind, table in TABLES.items()
+        if kind != "log"}
+_LABELS = {"step": lambda record: (), "span": operator.itemgetter("name", "cat")}
+
+
+def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
+    """(kind, labels, row) of each row a record of a tabular kind makes."""
+    kind = record["k"]
+    if kind == "log":
+        t, step = record["t"], record["step"]
+        return [("log", (name,), (t, step, value)) for name, value in record["values"].items()]
+    try:
+        row = _ROW[kind](record)
+    except KeyError:  # an optional field is missing (a required one: KeyError below)
+        row = tuple(record.get(column, math.nan) if column in TABLES[kind].optional
+                    else record[column] for column in TABLES[kind].columns)
+    return [(kind, _LABELS[kind](record), row)]
+
+
+def tabulate(rank: int, records: list[dict]) -> list[dict]:
+    """The records with those of tabular kinds turned into blocks of rows (a `rows`
+    record per table and at most MAX_TABLE_ROWS rows), then the others as they are: an
+    event such as a cell's end comes after the steps before it, in whatever message."""
+    blocks: list[dict] = []
+    others: list[dict] = []
+    tables: dict[tuple, list[tuple]] = {}
+    for record in records:
+        if record["k"] not in TABLES:
+            others.append(record)
+            continue
+        try:
+            rows = table_rows(record)
+        except (KeyError, AttributeError):
+            continue  # not what its kind says: dropped
+        for kind, labels, row in rows:
+            tables.setdefault((kind, labels), []).append(row)
+    for (kind, labels), rows in tables.items():
+        for start in range(0, len(rows), MAX_TABLE_ROWS):
+            block = rows[start:start + MAX_TABLE_ROWS]
+            try:
+                data = array("d", itertools.chain.from_iterable(block)).tobytes()
+            except TypeError:
+                continue  # a value that is not a number: the block is dropped
+            blocks.append({"k": "rows", "r": rank, "t": block[-1][0], "of": kind,
+                           "labels": list(labels), "data": data})
+    return blocks + others
 
 
 @dataclass
@@ -162,14 +242,18 @@ class Agent:
                 while self._queue:
                     # one message per batch: each message costs wake-ups and system
                     # calls in this process, the ZMQ thread and the notebook kernel
-                    batch = [self._queue.popleft()
-                             for _ in range(min(BATCH_RECORDS, len(self._queue)))]
+                    batch = tabulate(self.rank, [
+                        self._queue.popleft()
+                        for _ in range(min(BATCH_RECORDS * 10, len(self._queue)))])
                     try:
-                        sock.send(pack(batch), zmq.NOBLOCK)
+                        for part in batches(batch):
+                            try:
+                                message = pack(part)
+                            except (TypeError, ValueError):
+                                continue  # a record msgpack cannot carry: dropped
+                            sock.send(message, zmq.NOBLOCK)
                     except zmq.Again:
                         break  # the notebook is not reading: drop rather than block
-                    except (TypeError, ValueError):
-                        continue  # a record msgpack cannot carry: its batch is dropped
                 # no wake-up per record: the training thread never waits on this one;
                 # flush() sends at once, and the ticks stay where they were
                 if time.time() >= next_send:
@@ -178,6 +262,20 @@ class Agent:
                 self._wake.clear()
         finally:
             sock.close()
+
+
+def batches(records: list[dict]) -> list[list[dict]]:
+    """Records in messages of at most BATCH_RECORDS records and BATCH_BYTES of rows."""
+    out: list[list[dict]] = [[]]
+    size = 0
+    for record in records:
+        nbytes = len(record.get("data", b""))
+        if out[-1] and (len(out[-1]) == BATCH_RECORDS or size + nbytes > BATCH_BYTES):
+            out.append([])
+            size = 0
+        out[-1].append(record)
+        size += nbytes
+    return out
 
 
 def next_send_time(now: float) -> float:
