@@ -136,16 +136,16 @@ class LivePlot(anywidget.AnyWidget):
         sent again (a new trace, or tails past REBASE_SHARE of the points)."""
         if not self._data.keys() <= self._base.keys():
             return None
-        changed, keep = {}, []
+        budget = REBASE_SHARE * sum(len(x) for x, _ in self._data.values())
+        changed, keep, size = {}, [], 0
         for index, (x, y) in self._data.items():
-            base_x, base_y = self._base[index]
-            kept = min(_common_prefix(base_x, x), _common_prefix(base_y, y))
-            if kept < len(base_x) or kept < len(x):
+            kept = _common_prefix(*self._base[index], x, y)
+            if kept < len(self._base[index][0]) or kept < len(x):
+                size += len(x) - kept
+                if size > budget:  # most of the data changed: stop comparing
+                    return None
                 changed[index] = (x[kept:], y[kept:])
                 keep.append(kept)
-        total = sum(len(x) for x, _ in self._data.values())
-        if sum(len(x) for x, _ in changed.values()) > REBASE_SHARE * total:
-            return None
         return {**_state(changed), "keep": keep}
 
     def to_figure(self) -> go.Figure:
@@ -174,8 +174,11 @@ def _state(traces: dict[int, Series]) -> dict:
             "y": [memoryview(y) for _, y in traces.values()]}
 
 
-def _common_prefix(old: np.ndarray, new: np.ndarray) -> int:
-    """How many leading values two arrays share."""
-    n = min(len(old), len(new))
-    differ = np.flatnonzero(old[:n] != new[:n])
-    return int(differ[0]) if len(differ) else n
+def _common_prefix(old_x: np.ndarray, old_y: np.ndarray, x: np.ndarray, y: np.ndarray) -> int:
+    """How many leading points two series share."""
+    n = min(len(old_x), len(x))
+    if not n:
+        return 0
+    differ = (old_x[:n] != x[:n]) | (old_y[:n] != y[:n])
+    first = int(differ.argmax())
+    return first if differ[first] else n
