@@ -2,12 +2,14 @@
 costs against plotly's FigureWidget (the peer), in one real kernel, side by side.
 
 - redraw: `Dashboard.refresh` of a 2-rank run, 30 new steps per rank before each (a
-  training loop's 0.25 s between rounds), snapshot and widget update included; early
+  training loop's 0.25 s between rounds, filed as the ranks send them), snapshot and
+  widget update included (it sends the points that changed); early
   in the run (up to ~2,400 steps) and late in a long one (from --long steps on): a
   redraw should cost what arrived since the last one, not the run so far;
-- update: the same arrays (10 traces of 600 points) into a shown widget, through
-  `LivePlot.show` (one message) and through `FigureWidget.plotly_restyle` (plotly's
-  four messages and its Python copy of the figure), interleaved, median of each.
+- update: the same arrays (10 traces of 600 points, every value new, so LivePlot sends
+  them all) into a shown widget, through `LivePlot.show` (one message) and through
+  `FigureWidget.plotly_restyle` (plotly's four messages and its Python copy of the
+  figure), interleaved, median of each.
 
     .venv/bin/python benchmarks/bench_redraw.py [--redraws 80] [--updates 200] [--long 20000]
 """
@@ -27,22 +29,30 @@ import json, statistics, time
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
+import msgpack
 from mpilab.channel import MetricsStore
+from mpilab.rank.agent import tabulate
 from mpilab.widgets import Dashboard, LivePlot
 
 store = MetricsStore(world_size=2)
 dash = Dashboard(store, world_size=2, since=time.time() - 1)
 step = 0
 def feed(steps):
+    # as the ranks send them: each rank's records in one message of blocks of rows
     global step
+    sent = {r: [] for r in range(2)}
     for _ in range(steps):
         step += 1
         now = time.time()
         for r in range(2):
-            store.add({"k": "step", "r": r, "t": now, "step": step, "dur": 0.008,
-                       "compute": 0.006, "comm": 0.002, "nbytes": 4_000_000, "samples": 64})
-            store.add({"k": "log", "r": r, "t": now, "step": step,
-                       "values": {"loss": 1.0 / step}})
+            sent[r] += [{"k": "step", "r": r, "t": now, "step": step, "dur": 0.008,
+                         "compute": 0.006, "comm": 0.002, "nbytes": 4_000_000,
+                         "samples": 64},
+                        {"k": "log", "r": r, "t": now, "step": step,
+                         "values": {"loss": 1.0 / step}}]
+    for r, records in sent.items():
+        for start in range(0, len(records), 1000):
+            store.add_raw(msgpack.packb(tabulate(r, records[start:start + 1000])))
 feed(30)
 display(dash.mimebundle(), raw=True)
 def redraws():
