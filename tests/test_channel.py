@@ -357,6 +357,7 @@ def test_messages_stay_under_the_receivers_limits():
     assert len(blocks) == 40
     for part in batches(blocks):
         assert len(part) <= BATCH_RECORDS and len(msgpack.packb(part)) <= MAX_MESSAGE_BYTES
+    assert batches([]) == []  # nothing to send is no message (an empty one is malformed)
 
 
 def test_listeners_hear_of_each_round_and_a_failing_one_is_dropped():

@@ -60,10 +60,18 @@ TABLES = {
 }
 
 
-# a record's row and labels, in C (the agent's thread turns thousands a second)
+def _labels_getter(table: Table):
+    if not table.labels:
+        return lambda record: ()
+    get = operator.itemgetter(*table.labels)
+    return get if len(table.labels) > 1 else lambda record: (get(record),)
+
+
+# a record's row and labels, in C (the agent's thread turns thousands a second); a log
+# record's values make rows of their own
 _ROW = {kind: operator.itemgetter(*table.columns) for kind, table in TABLES.items()
         if kind != "log"}
-_LABELS = {"step": lambda record: (), "span": operator.itemgetter("name", "cat")}
+_LABELS = {kind: _labels_getter(table) for kind, table in TABLES.items() if kind != "log"}
 
 
 def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
@@ -266,11 +274,11 @@ class Agent:
 
 def batches(records: list[dict]) -> list[list[dict]]:
     """Records in messages of at most BATCH_RECORDS records and BATCH_BYTES of rows."""
-    out: list[list[dict]] = [[]]
+    out: list[list[dict]] = []
     size = 0
     for record in records:
         nbytes = len(record.get("data", b""))
-        if out[-1] and (len(out[-1]) == BATCH_RECORDS or size + nbytes > BATCH_BYTES):
+        if not out or len(out[-1]) == BATCH_RECORDS or (out[-1] and size + nbytes > BATCH_BYTES):
             out.append([])
             size = 0
         out[-1].append(record)
