@@ -164,7 +164,8 @@ class LivePlot(anywidget.AnyWidget):
 
 
 def _float64(values) -> np.ndarray:
-    return np.ascontiguousarray(values, dtype=np.float64)
+    """A copy: the next update is compared with it, whatever the caller does with its own."""
+    return np.array(values, dtype=np.float64)
 
 
 def _state(traces: dict[int, Series]) -> dict:
