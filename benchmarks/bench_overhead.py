@@ -236,6 +236,9 @@ def main() -> None:
             f"{100 * statistics.median(pairs):+.1f}% median of pairs")
         print(f"  {mode:13} median {rate:9.1f} samples/s, kernel CPU "
               f"{100 * statistics.median(kernel_cpu[mode]):4.1f}% of a core{cost}")
+    cpu = {mode: 100 * statistics.median(kernel_cpu[mode]) for mode in MODES}
+    print(f"  kernel CPU above unwatched: records {cpu['records only'] - cpu['unwatched']:+.1f}"
+          f" points of a core, the dashboard {cpu['watched'] - cpu['records only']:+.1f} more")
     cycle = {mode: cycle_cost(step_ends[mode]) for mode in MODES}
     print("  steps against the quiet part of the send cycle: " + ", ".join(
         f"{mode} {100 * cost:+.2f}%" for mode, cost in cycle.items())

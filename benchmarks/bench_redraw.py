@@ -29,16 +29,15 @@ import json, statistics, time
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
-import msgpack
 from mpilab.channel import MetricsStore
-from mpilab.rank.agent import tabulate
+from mpilab.rank.agent import encode
 from mpilab.widgets import Dashboard, LivePlot
 
 store = MetricsStore(world_size=2)
 dash = Dashboard(store, world_size=2, since=time.time() - 1)
 step = 0
 def feed(steps):
-    # as the ranks send them: each rank's records in one message of blocks of rows
+    # as the ranks send them: each rank's records in messages of blocks of rows
     global step
     sent = {r: [] for r in range(2)}
     for _ in range(steps):
@@ -51,8 +50,8 @@ def feed(steps):
                         {"k": "log", "r": r, "t": now, "step": step,
                          "values": {"loss": 1.0 / step}}]
     for r, records in sent.items():
-        for start in range(0, len(records), 1000):
-            store.add_raw(msgpack.packb(tabulate(r, records[start:start + 1000])))
+        for message in encode(r, records):
+            store.add_raw(message)
 feed(30)
 display(dash.mimebundle(), raw=True)
 def redraws():

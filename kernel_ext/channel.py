@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from .rank.agent import MAX_TABLE_ROWS, TABLES, Table, table_rows
+from .rank.agent import MAX_TABLE_ROWS, TABLES, table_rows
 
 # kind -> fields that must be present, with their types
 _NUM = (int, float)
@@ -86,13 +86,13 @@ def block_rows(record: dict) -> np.ndarray | None:
     rows = np.frombuffer(data, dtype=np.float64).reshape(-1, len(table.columns))
     if not np.isfinite(rows[:, 0]).all():
         return None
-    for index in _whole_columns(table):
-        column = rows[:, index]
-        whole = np.isfinite(column) & (column == np.round(column))
-        if table.columns[index] in table.optional:
-            whole |= np.isnan(column)
-        if not whole.all():
-            return None
+    for name, column in zip(table.columns, rows.T):
+        if name in table.ints:
+            whole = np.isfinite(column) & (column == np.round(column))
+            if name in table.optional:
+                whole |= np.isnan(column)
+            if not whole.all():
+                return None
     return rows
 
 
@@ -107,10 +107,6 @@ def _table_blocks(record: dict) -> list[tuple[str, tuple, np.ndarray]] | None:
                 for kind, labels, row in table_rows(record)]
     except (TypeError, ValueError):
         return None
-
-
-def _whole_columns(table: Table) -> list[int]:
-    return [i for i, column in enumerate(table.columns) if column in table.ints]
 
 
 class _Rows:
@@ -288,7 +284,8 @@ class MetricsStore:
     def _table_records(self, kind: str, rank: int, since: float) -> list[dict]:
         table = TABLES[kind]
         columns = (*table.columns, "recv")
-        records: dict[tuple, dict] = {}  # a log's scalars come back together
+        records: list[dict] = []
+        logged: dict[tuple, dict] = {}  # (t, step) -> a log record: its scalars together
         for (r, labels), rows in self._tables.get(kind, {}).items():
             if r != rank:
                 continue
@@ -299,16 +296,18 @@ class MetricsStore:
                     value = fields.pop(column)
                     if value == value:  # not NaN: present
                         fields[column] = int(value)
-                if kind == "log":
-                    record = records.setdefault(
-                        (fields["t"], fields["step"]),
-                        {"k": "log", "r": rank, "t": fields["t"], "step": fields["step"],
-                         "values": {}, "recv": fields["recv"]})
-                    record["values"][labels[0]] = fields["value"]
-                else:
-                    record = {"k": kind, "r": rank, **dict(zip(table.labels, labels)), **fields}
-                    records[(len(records),)] = record
-        return list(records.values())
+                if kind != "log":
+                    records.append({"k": kind, "r": rank, **dict(zip(table.labels, labels)),
+                                    **fields})
+                    continue
+                record = logged.get((fields["t"], fields["step"]))
+                if record is None:
+                    record = logged[(fields["t"], fields["step"])] = {
+                        "k": "log", "r": rank, "t": fields["t"], "step": fields["step"],
+                        "values": {}, "recv": fields["recv"]}
+                    records.append(record)
+                record["values"][labels[0]] = fields["value"]
+        return records
 
     def has_rows(self, kinds: tuple[str, ...], since: float = 0.0) -> bool:
         """True when a table of these kinds has a row stamped at or after `since`."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import zmq
 from mpilab.channel import MAX_MESSAGE_BYTES, MetricsStore, RecordReceiver, validate
-from mpilab.rank.agent import BATCH_RECORDS, batches, tabulate
+from mpilab.rank.agent import BATCH_RECORDS, encode, tabulate
 
 T0 = 1_700_000_000.0
 
@@ -276,7 +276,8 @@ def test_blocks_of_rows_file_as_the_records_they_came_from():
             assert one_by_one.add(dict(record))
         blocks = tabulate(rank, [dict(record) for record in records])
         assert [b["k"] for b in blocks] == ["rows"] * 4 + ["event"]  # step, span, 2 scalars
-        assert sent.add_raw(msgpack.packb(blocks))
+        for message in encode(rank, [dict(record) for record in records]):
+            assert sent.add_raw(message)
     for kind in ("step", "span", "log", "event"):
         got, want = sent.records(kind), one_by_one.records(kind)
         assert [without_recv(r) for r in got] == [without_recv(r) for r in want], kind
@@ -353,11 +354,12 @@ def test_row_readers_keep_their_place_in_bounded_tables():
 def test_messages_stay_under_the_receivers_limits():
     records = [with_(GOOD["log"], r=0, step=i, values={f"s{j}": 1.0 for j in range(40)})
                for i in range(1000)]
-    blocks = tabulate(0, records)
-    assert len(blocks) == 40
-    for part in batches(blocks):
-        assert len(part) <= BATCH_RECORDS and len(msgpack.packb(part)) <= MAX_MESSAGE_BYTES
-    assert batches([]) == []  # nothing to send is no message (an empty one is malformed)
+    assert len(tabulate(0, records)) == 40
+    messages = encode(0, records)
+    for message in messages:
+        assert len(message) <= MAX_MESSAGE_BYTES and len(msgpack.unpackb(message)) <= BATCH_RECORDS
+    assert sum(len(msgpack.unpackb(message)) for message in messages) == 40
+    assert encode(0, []) == []  # nothing to send is no message (an empty one is malformed)
 
 
 def test_listeners_hear_of_each_round_and_a_failing_one_is_dropped():

@@ -3,7 +3,7 @@
 plotly's FigureWidget sends four comm messages per update and keeps a validated copy of
 the figure in Python; the dashboard redraws 4 times a second on cores the ranks train
 on. This widget draws with the same plotly.js (shipped once per widget, as FigureWidget
-does) and takes a redraw's arrays as binary buffers in one state update: about a fifth
+does) and takes a redraw's arrays as binary buffers in one state update: about a quarter
 of FigureWidget's kernel time per update (benchmarks/bench_redraw.py).
 
 A redraw sends only what changed: each trace's data is the `series` sent last in full

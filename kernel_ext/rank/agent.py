@@ -17,7 +17,6 @@ import collections
 import itertools
 import linecache
 import math
-import operator
 import os
 import socket
 import sys
@@ -36,6 +35,7 @@ SEND_INTERVAL_S = 0.25
 BATCH_RECORDS = 100  # records per message (well under the receiver's size limit)
 BATCH_BYTES = 128 * 1024  # and bytes of rows
 MAX_QUEUED_RECORDS = 50_000
+TAKEN_RECORDS = 1000  # queued records the thread encodes at a time
 MAX_TABLE_ROWS = 1000  # rows per block: a block of 8 columns is 64 KB
 
 
@@ -60,32 +60,16 @@ TABLES = {
 }
 
 
-def _labels_getter(table: Table):
-    if not table.labels:
-        return lambda record: ()
-    get = operator.itemgetter(*table.labels)
-    return get if len(table.labels) > 1 else lambda record: (get(record),)
-
-
-# a record's row and labels, in C (the agent's thread turns thousands a second); a log
-# record's values make rows of their own
-_ROW = {kind: operator.itemgetter(*table.columns) for kind, table in TABLES.items()
-        if kind != "log"}
-_LABELS = {kind: _labels_getter(table) for kind, table in TABLES.items() if kind != "log"}
-
-
 def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
     """(kind, labels, row) of each row a record of a tabular kind makes."""
     kind = record["k"]
     if kind == "log":
         t, step = record["t"], record["step"]
         return [("log", (name,), (t, step, value)) for name, value in record["values"].items()]
-    try:
-        row = _ROW[kind](record)
-    except KeyError:  # an optional field is missing (a required one: KeyError below)
-        row = tuple(record.get(column, math.nan) if column in TABLES[kind].optional
-                    else record[column] for column in TABLES[kind].columns)
-    return [(kind, _LABELS[kind](record), row)]
+    table = TABLES[kind]
+    return [(kind, tuple(record[label] for label in table.labels),
+             tuple(record.get(column, math.nan) if column in table.optional else record[column]
+                   for column in table.columns))]
 
 
 def tabulate(rank: int, records: list[dict]) -> list[dict]:
@@ -229,7 +213,6 @@ class Agent:
         self._wake.set()
 
     def _run(self) -> None:
-        import msgpack
         import zmq
 
         ctx = zmq.Context.instance()
@@ -237,7 +220,6 @@ class Agent:
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.connect(self.address)
-        pack = msgpack.Packer(use_bin_type=True).pack
         next_beat = 0.0
         next_send = 0.0
         try:
@@ -250,15 +232,10 @@ class Agent:
                 while self._queue:
                     # one message per batch: each message costs wake-ups and system
                     # calls in this process, the ZMQ thread and the notebook kernel
-                    batch = tabulate(self.rank, [
-                        self._queue.popleft()
-                        for _ in range(min(BATCH_RECORDS * 10, len(self._queue)))])
+                    taken = [self._queue.popleft()
+                             for _ in range(min(TAKEN_RECORDS, len(self._queue)))]
                     try:
-                        for part in batches(batch):
-                            try:
-                                message = pack(part)
-                            except (TypeError, ValueError):
-                                continue  # a record msgpack cannot carry: dropped
+                        for message in encode(self.rank, taken):
                             sock.send(message, zmq.NOBLOCK)
                     except zmq.Again:
                         break  # the notebook is not reading: drop rather than block
@@ -270,6 +247,20 @@ class Agent:
                 self._wake.clear()
         finally:
             sock.close()
+
+
+def encode(rank: int, records: list[dict]) -> list[bytes]:
+    """A rank's records as the messages it sends: blocks of rows, then the rest."""
+    import msgpack  # on the agent's thread: importing mpilab.rank stays cheap
+
+    pack = msgpack.Packer(use_bin_type=True).pack
+    messages = []
+    for part in batches(tabulate(rank, records)):
+        try:
+            messages.append(pack(part))
+        except (TypeError, ValueError):
+            continue  # a record msgpack cannot carry: its message is dropped
+    return messages
 
 
 def batches(records: list[dict]) -> list[list[dict]]:
