@@ -25,7 +25,7 @@ import plotly.io as pio
 from mpilab.rank.agent import TABLES
 from plotly.subplots import make_subplots
 
-from .live_plot import LivePlot
+from .live_plot import REDRAW_BUDGET, LivePlot
 from .plotting import (
     WIDGET_VIEW_MIME,
     GrowingSeries,
@@ -36,8 +36,7 @@ from .plotting import (
 
 # at most ~4 redraws a second whatever the record rate; a little under the ranks' send
 # interval (0.25 s), as rounds arrive a few ms early or late
-MIN_REDRAW_INTERVAL_S = 0.23
-REDRAW_BUDGET = 10  # and at least 10x a redraw's own duration between two redraws
+MIN_REDRAW_INTERVAL_S = 0.23  # and at least REDRAW_BUDGET times a redraw's own duration
 SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # A step's time is compute plus the communication it waited for (the rest overlapped
 # with backward); the stack is the step time, and a straggler's peers wait longest.
