@@ -1,33 +1,32 @@
 """The widgets in a real JupyterLab, in a real browser (Debian's chromium, Playwright).
 
 A JupyterLab server is started on 127.0.0.1 with a token in a temporary root; chromium
-opens notebooks there and runs their cells with the keyboard, as a user would.
+opens notebooks there and runs their cells with the keyboard, as a user would (jupyter_lab.py).
 Screenshots go to build/. Without /usr/bin/chromium the tests skip locally, never in CI.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import secrets
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import nbformat
 import pytest
+from jupyter_lab import (
+    CHROMIUM,
+    Lab,
+    cell,
+    chromium,
+    is_running,
+    open_notebook,
+    run_cell,
+    running_lab,
+    wait_cell_done,
+)
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--no-first-run", "--disable-sync"]
 REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "build"
-JUPYTER = Path(sys.executable).parent / "jupyter"
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,112 +38,16 @@ if not CHROMIUM.exists():
                 "outside CI", allow_module_level=True)
 
 
-# -- the server and the browser ------------------------------------------------------------
-class Lab:
-    """A running JupyterLab: where it is and how to reach it."""
-
-    def __init__(self, root: Path, port: int, token: str):
-        self.root, self.port, self.token = root, port, token
-
-    def url(self, notebook: str) -> str:
-        """The notebook in a workspace of its own: no tabs of earlier tests come back."""
-        workspace = Path(notebook).stem
-        return (f"http://127.0.0.1:{self.port}/lab/workspaces/{workspace}/tree/{notebook}"
-                f"?token={self.token}")
-
-    def shutdown_kernels(self) -> None:
-        """Through the REST API, as JupyterLab's own "Shut Down All Kernels" does; the
-        mpilab extension stops a kernel's ranks when the kernel shuts down."""
-        api = f"http://127.0.0.1:{self.port}/api/kernels"
-        headers = {"Authorization": f"token {self.token}"}
-        with urllib.request.urlopen(urllib.request.Request(api, headers=headers)) as r:
-            kernels = json.load(r)
-        for kernel in kernels:
-            request = urllib.request.Request(f"{api}/{kernel['id']}", method="DELETE",
-                                             headers=headers)
-            urllib.request.urlopen(request).close()
-
-    def write_notebook(self, name: str, cells: list[str]) -> str:
-        nb = nbformat.v4.new_notebook()
-        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                     "language": "python"}
-        nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
-        nbformat.write(nb, self.root / name)
-        return name
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory) -> Iterator[Lab]:
-    """JupyterLab on 127.0.0.1, a free port and a token, killed by pid at teardown."""
-    base = tmp_path_factory.mktemp("lab")
-    root = base / "root"
-    root.mkdir()
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTERLAB_WORKSPACES_DIR": str(base / "workspaces"),
-           "JUPYTERLAB_SETTINGS_DIR": str(base / "settings"),
-           "JUPYTER_RUNTIME_DIR": str(base / "runtime"),
-           "PATH": f"{JUPYTER.parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    # no toasts over the notebook (news, updates): a quiet user settings dir
-    settings = base / "settings" / "@jupyterlab" / "apputils-extension"
-    settings.mkdir(parents=True)
-    (settings / "notification.jupyterlab-settings").write_text(
-        json.dumps({"fetchNews": "false", "checkForUpdates": False, "doNotDisturbMode": True}))
-    # every cell rendered, not only those in view: a test clicks cells as they come
-    notebook_settings = base / "settings" / "@jupyterlab" / "notebook-extension"
-    notebook_settings.mkdir(parents=True)
-    (notebook_settings / "tracker.jupyterlab-settings").write_text(
-        json.dumps({"windowingMode": "none"}))
-    log = (base / "lab.log").open("wb")
-    proc = subprocess.Popen(
-        [str(JUPYTER), "lab", "--no-browser", "--ServerApp.open_browser=False",
-         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-         *(["--allow-root"] if os.geteuid() == 0 else [])],  # CI containers run as root
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(
-                        f"http://127.0.0.1:{port}/api/status?token={token}", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"jupyter lab did not start:\n{(base / 'lab.log').read_text()}")
-            time.sleep(0.3)
-        yield Lab(root, port, token)
-    finally:
-        proc.terminate()  # the server shuts its kernels down on SIGTERM
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with running_lab(tmp_path_factory.mktemp("lab")) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True,
-                                      args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
+    with chromium() as running:
+        yield running
 
 
 @pytest.fixture
@@ -159,44 +62,6 @@ def page(browser, lab, request):
         page.screenshot(path=str(BUILD / f"{request.node.name}-last.png"), full_page=True)
         context.close()
         lab.shutdown_kernels()  # the next test starts on a quiet machine
-
-
-# -- driving a notebook --------------------------------------------------------------------
-def open_notebook(page, lab: Lab, name: str) -> None:
-    page.goto(lab.url(name))
-    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=90_000)
-    # the kernel is started and connected (before that the indicator says idle too)
-    page.get_by_text(re.compile(r"\(ipykernel\) \| Idle")).wait_for(timeout=90_000)
-
-
-def cell(page, index: int):
-    return page.locator(".jp-Notebook .jp-Cell").nth(index)
-
-
-def run_cell(page, index: int) -> None:
-    """Select the cell (command mode) and run it with Shift+Enter, as a user does."""
-    prompt = cell(page, index).locator(".jp-InputPrompt")
-    prompt.scroll_into_view_if_needed(timeout=30_000)
-    prompt.click()
-    page.keyboard.press("Shift+Enter")
-    page.wait_for_function(
-        "i => /\\[[*0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
-        ".querySelector('.jp-InputPrompt').textContent)", arg=index, timeout=30_000)
-
-
-def is_running(page, index: int) -> bool:
-    return "[*]" in cell(page, index).locator(".jp-InputPrompt").inner_text()
-
-
-def wait_cell_done(page, index: int, timeout_s: float = 120) -> None:
-    page.wait_for_function(
-        "i => /\\[[0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
-        ".querySelector('.jp-InputPrompt').textContent)", arg=index,
-        timeout=timeout_s * 1000)
-    errors = cell(page, index).locator(".jp-OutputArea-output[data-mime-type="
-                                       "'application/vnd.jupyter.stderr']")
-    tracebacks = [t for t in errors.all_inner_texts() if "Traceback" in t or "Error" in t]
-    assert not tracebacks, f"cell {index} failed:\n" + "\n".join(tracebacks)
 
 
 def trace_lengths(page, index: int) -> list[list[int]]:

@@ -1,0 +1,118 @@
+"""What watching costs with the dashboard drawn in a browser on the same machine.
+
+bench_overhead.py drives the kernel over the Jupyter protocol: nothing draws. Here the
+same training runs in JupyterLab, in chromium (headless, no GPU: plotly paints in
+software), as a user sees it. Cells alternate in ABBA order between "watched" (records
+on, the live dashboard under the cell) and "unwatched" (records off, --no-dashboard).
+For each cell: the ranks' throughput and the CPU of each process group (the browser,
+the Jupyter server, the kernel, the ranks) as a share of one core.
+
+    .venv/bin/python benchmarks/bench_browser.py [--reps 3] [--steps 2400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from bench_overhead import SETUP
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from jupyter_lab import (  # noqa: E402
+    CHROMIUM,
+    cell,
+    chromium,
+    open_notebook,
+    run_cell,
+    running_lab,
+    wait_cell_done,
+)
+
+MODES = {"watched": ("", True), "unwatched": (" --no-dashboard", False)}
+GROUPS = ("browser", "server", "kernel", "ranks", "other")
+
+
+def group_of(process: psutil.Process) -> str:
+    command = " ".join(process.cmdline())
+    if "chrom" in command:
+        return "browser"
+    if "ipykernel" in command:
+        return "kernel"
+    if "mpilab.rank" in command or "engine" in command:
+        return "ranks"
+    if "jupyter-lab" in command or "jupyter lab" in command:
+        return "server"
+    return "other"  # the controller, mpiexec, Playwright's driver
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time so far of this benchmark's process tree, by group (the living ones)."""
+    totals = dict.fromkeys(GROUPS, 0.0)
+    for process in psutil.Process().children(recursive=True):
+        try:
+            times = process.cpu_times()
+            totals[group_of(process)] += times.user + times.system
+        except psutil.Error:
+            continue  # ended meanwhile
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=3)  # pairs of cells
+    parser.add_argument("--steps", type=int, default=2400)  # ~20 s a cell: a steady state
+    args = parser.parse_args()
+    if not CHROMIUM.exists():
+        raise SystemExit(f"{CHROMIUM} is missing: apt-get install -y chromium")
+    order = [mode for rep in range(args.reps)
+             for mode in (("watched", "unwatched") if rep % 2 == 0 else ("unwatched", "watched"))]
+    cells = ["%load_ext mpilab\n%mpilab start -n 2", SETUP]
+    for mode in order:
+        flags, records = MODES[mode]
+        cells.append(f"%%ranks 0-1{flags}\nrate = train({args.steps}, {records})\n"
+                     "print('samples/s', round(rate))")
+    rates: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
+    with tempfile.TemporaryDirectory(prefix="mpilab-bench-browser") as base, \
+            running_lab(Path(base)) as lab, chromium() as browser:
+        page = browser.new_context(viewport={"width": 1400, "height": 1000}).new_page()
+        open_notebook(page, lab, lab.write_notebook("bench.ipynb", cells))
+        for index in range(2):
+            run_cell(page, index)
+            wait_cell_done(page, index, timeout_s=300)
+        for index, mode in enumerate(order, start=2):
+            before, started = cpu_seconds(), time.monotonic()
+            run_cell(page, index)
+            wait_cell_done(page, index, timeout_s=600)
+            after, seconds = cpu_seconds(), time.monotonic() - started
+            # the ranks step together; the slower one sets the pace
+            per_rank = re.findall(r"samples/s (\d+)", cell(page, index).inner_text())
+            rates[mode].append(min(float(rate) for rate in per_rank))
+            cpu[mode].append({group: 100 * (after[group] - before[group]) / seconds
+                              for group in GROUPS})
+            page.wait_for_timeout(1000)  # the final plot drawn before the next cell
+        lab.shutdown_kernels()
+    print(f"DataParallel MLP, 2 ranks, {args.steps} steps a cell, {args.reps} ABBA pairs, "
+          "in JupyterLab in headless chromium on this machine")
+    for mode in MODES:
+        shares = "  ".join(f"{group} {statistics.median(c[group] for c in cpu[mode]):5.1f}"
+                           for group in GROUPS)
+        print(f"  {mode:10} median {statistics.median(rates[mode]):8.0f} samples/s;"
+              f" CPU, % of a core: {shares}")
+    pairs = [1 - w / u for w, u in zip(rates["watched"], rates["unwatched"])]
+    extra = {group: statistics.median(w[group] - u[group] for w, u in
+                                      zip(cpu["watched"], cpu["unwatched"])) for group in GROUPS}
+    print(f"  watching costs {100 * statistics.median(pairs):+.1f}% (median of {len(pairs)} "
+          f"pairs; each: {', '.join(f'{100 * p:+.1f}%' for p in pairs)})")
+    print("  CPU above unwatched, % of a core: "
+          + ", ".join(f"{group} {extra[group]:+.1f}" for group in GROUPS))
+
+
+if __name__ == "__main__":
+    main()
