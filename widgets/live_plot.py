@@ -54,24 +54,39 @@ function render({ model, el }) {
   const later = (step) => {
     queue = queue.then(step).catch((e) => console.error("mpilab live plot:", e));
   };
-  const restyle = () => {
+  // every trace's data as the views draw it: the base's, then the tail's
+  const current = () => {
     const s = model.get("series");
-    if (s && s.traces && s.traces.length) {
-      const x = s.x.map(float64), y = s.y.map(float64);
-      const t = model.get("tail") || {};
-      (t.traces || []).forEach((trace, i) => {
-        const j = s.traces.indexOf(trace);
-        x[j] = spliced(x[j], t.keep[i], float64(t.x[i]));
-        y[j] = spliced(y[j], t.keep[i], float64(t.y[i]));
-      });
-      return Plotly.restyle(div, { x, y }, s.traces);
-    }
+    if (!(s && s.traces && s.traces.length)) return null;
+    const x = s.x.map(float64), y = s.y.map(float64);
+    const t = model.get("tail") || {};
+    (t.traces || []).forEach((trace, i) => {
+      const j = s.traces.indexOf(trace);
+      x[j] = spliced(x[j], t.keep[i], float64(t.x[i]));
+      y[j] = spliced(y[j], t.keep[i], float64(t.y[i]));
+    });
+    return { traces: s.traces, x, y };
   };
+  const restyle = () => {
+    const data = current();
+    if (data) return Plotly.restyle(div, { x: data.x, y: data.y }, data.traces);
+  };
+  // the figure with its data in one drawing (plotly lays out and paints it all each time)
   const draw = () => {
     const f = model.get("figure");
-    return Plotly.react(div, f.data || [], f.layout || {}, CONFIG).then(restyle);
+    const traces = (f.data || []).map((trace) => ({ ...trace }));
+    const data = current();
+    (data ? data.traces : []).forEach((j, i) => {
+      if (traces[j]) Object.assign(traces[j], { x: data.x[i], y: data.y[i] });
+    });
+    return Plotly.react(div, traces, f.layout || {}, CONFIG);
   };
-  const onFigure = () => later(draw);
+  // the first drawing waits until the view has its width (JupyterLab makes it before
+  // attaching it), so that it is the only one
+  let drawn = false;
+  const onFigure = () => {
+    if (drawn) later(draw);
+  };
   // A restyle is timed to the frame that paints it; the next one starts no sooner than
   // REDRAW_BUDGET times that after it, and draws the latest series and tail then.
   let pending = false, readyAt = 0, closed = false;
@@ -83,7 +98,7 @@ function render({ model, el }) {
   const pacedRestyle = async () => {
     await pause(readyAt - performance.now());
     pending = false;  // an update from now on needs a restyle of its own
-    if (closed) return;
+    if (closed || !drawn) return;
     const start = performance.now();
     await restyle();
     await painted();
@@ -96,13 +111,17 @@ function render({ model, el }) {
       later(pacedRestyle);
     }
   };
-  later(draw);
   model.on("change:figure", onFigure);
   model.on("change:series", onSeries);
   model.on("change:tail", onSeries);
-  // drawn before JupyterLab attaches the output: fit the width once it is known
   const sized = new ResizeObserver(() => {
-    if (div.offsetWidth) later(() => Plotly.Plots.resize(div));
+    if (!div.offsetWidth) return;
+    if (drawn) {
+      later(() => Plotly.Plots.resize(div));
+    } else {
+      drawn = true;
+      later(draw);
+    }
   });
   sized.observe(el);
   return () => {
