@@ -31,8 +31,9 @@ from plotly.offline import get_plotlyjs
 # without one: drawing takes at most 1/REDRAW_BUDGET of a core
 REDRAW_BUDGET = 10
 
-# Runs after plotly.js (which sets globalThis.Plotly). Each view draws the figure, then
-# the latest series; updates are queued so a restyle never races a redraw.
+# Runs after plotly.js (which sets globalThis.Plotly). Each view draws the figure with
+# the latest series once it is attached, then restyles at its own pace; drawings are
+# queued so a restyle never races a redraw.
 _RENDER_JS = r"""
 const CONFIG = { displaylogo: false, responsive: true };
 const float64 = (v) => new Float64Array(v.buffer.slice(v.byteOffset, v.byteOffset + v.byteLength));
