@@ -13,10 +13,11 @@ tails grow past a quarter of it. Both are plain widget state, so a view that ope
 moment (a second display, a page reload) draws the same data.
 
 The browser pays for a redraw too, and more than the kernel: plotly lays out and paints
-the whole figure again (about 0.1 s on a 2-core machine without a GPU). Each view times
-its redraws and waits REDRAW_BUDGET times as long before the next, drawing the latest
-data then: drawing takes at most a tenth of a core, as in the kernel, whatever the
-browser. A fast browser still draws every update; a slow one, fewer.
+the whole figure again (benchmarks/bench_browser.py measures what that costs). Each view
+times its redraws and waits REDRAW_BUDGET times as long before the next, drawing the
+latest data then: drawing takes at most about a tenth of the browser's main thread, as
+in the kernel, whatever the browser. A fast browser still draws every update; a slow
+one, fewer.
 """
 
 from __future__ import annotations
@@ -80,11 +81,11 @@ function render({ model, el }) {
     (data ? data.traces : []).forEach((j, i) => {
       if (traces[j]) Object.assign(traces[j], { x: data.x[i], y: data.y[i] });
     });
-    return Plotly.react(div, traces, f.layout || {}, CONFIG);
+    return Plotly.react(div, traces, f.layout || {}, CONFIG).then(() => { drawn = true; });
   };
   // the first drawing waits until the view has its width (JupyterLab makes it before
-  // attaching it), so that it is the only one
-  let drawn = false;
+  // attaching it), so that it is the only one; restyles and new figures wait for it
+  let sized = false, drawn = false;
   const onFigure = () => {
     if (drawn) later(draw);
   };
@@ -115,22 +116,22 @@ function render({ model, el }) {
   model.on("change:figure", onFigure);
   model.on("change:series", onSeries);
   model.on("change:tail", onSeries);
-  const sized = new ResizeObserver(() => {
+  const resized = new ResizeObserver(() => {
     if (!div.offsetWidth) return;
-    if (drawn) {
+    if (sized) {
       later(() => Plotly.Plots.resize(div));
     } else {
-      drawn = true;
+      sized = true;
       later(draw);
     }
   });
-  sized.observe(el);
+  resized.observe(el);
   return () => {
     model.off("change:figure", onFigure);
     model.off("change:series", onSeries);
     model.off("change:tail", onSeries);
     closed = true;
-    sized.disconnect();
+    resized.disconnect();
     Plotly.purge(div);
   };
 }

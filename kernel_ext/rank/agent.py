@@ -269,7 +269,7 @@ def batches(records: list[dict]) -> list[list[dict]]:
     size = 0
     for record in records:
         nbytes = len(record.get("data", b""))
-        if not out or len(out[-1]) == BATCH_RECORDS or (out[-1] and size + nbytes > BATCH_BYTES):
+        if not out or len(out[-1]) == BATCH_RECORDS or size + nbytes > BATCH_BYTES:
             out.append([])
             size = 0
         out[-1].append(record)
