@@ -251,6 +251,69 @@ def seen_final(page, index: int, steps: int) -> bool:
     return bool(lengths) and lengths[0][0] >= steps
 
 
+# a thread feeds the plot until told to stop (the kernel stays idle, as in --noblock)
+FEED_UNTIL_STOPPED = """\
+dash3 = Dashboard(store, world_size=2, since=time.time())
+stop, fed = threading.Event(), []
+def feed_until_stopped():
+    deadline = time.monotonic() + 60
+    while dash3.widget._view_count < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    while not stop.is_set():
+        add_step(5000 + len(fed))
+        fed.append(1)
+        dash3.refresh()
+        time.sleep(0.05)
+    dash3.refresh(force=True)
+feeder3 = threading.Thread(target=feed_until_stopped)
+feeder3.start()
+display(dash3.mimebundle(), raw=True)
+"""
+STOP_FEEDING = "stop.set(); feeder3.join(); print('fed', len(fed))"
+
+
+def test_view_out_of_sight_draws_nothing_until_back(page, lab):
+    """A researcher who collapses the dashboard's output (or scrolls away, or switches
+    tabs) during a long run should not pay for drawing it; back, it shows the latest."""
+    name = lab.write_notebook("hidden.ipynb", [SYNTHETIC_SETUP, FEED_UNTIL_STOPPED,
+                                               STOP_FEEDING])
+    open_notebook(page, lab, name)
+    run_cell(page, 0)
+    wait_cell_done(page, 0)
+    run_cell(page, 1)
+    wait_cell_done(page, 1)
+    wait_for_plot(page, 1)
+    page.wait_for_function("() => (document.querySelectorAll('.jp-Notebook .jp-Cell')[1]"
+                           ".querySelector('.js-plotly-plot')._fullData || [])[0]?.x.length >= 5")
+    # the plot leaves the page with its output: keep a handle on it, and count drawings
+    page.evaluate("""() => {
+        window.feedPlot = document.querySelectorAll('.jp-Notebook .jp-Cell')[1]
+                            .querySelector('.js-plotly-plot');
+        window.feedDraws = 0;
+        window.feedPlot.on('plotly_afterplot', () => { window.feedDraws += 1; });
+    }""")
+    drawn = "() => [window.feedDraws, window.feedPlot._fullData[0].x.length]"
+    cell(page, 1).locator(".jp-Cell-outputCollapser").click()
+    cell(page, 1).locator(".jp-OutputPlaceholder").wait_for()
+    page.wait_for_timeout(500)  # a drawing under way when it was hidden ends
+    hidden = page.evaluate(drawn)
+    page.wait_for_timeout(1500)  # the thread goes on feeding: ~30 steps, ~6 updates
+    assert page.evaluate(drawn) == hidden, "a view out of sight went on drawing"
+
+    run_cell(page, 2)
+    wait_cell_done(page, 2)
+    fed = int(cell(page, 2).locator(".jp-OutputArea").inner_text().split()[-1])
+    page.wait_for_timeout(500)
+    assert page.evaluate(drawn) == hidden, "a view out of sight drew the last update"
+
+    cell(page, 1).locator(".jp-OutputPlaceholder").click()
+    # back in sight, it draws the data it missed: every step but the warm-up one
+    page.wait_for_function("n => window.feedPlot._fullData[0].x.length == n", arg=fed - 1,
+                           timeout=10_000)
+    assert trace_x(page, 1, 0) == list(range(5001, 5000 + fed))
+    screenshot(page, "widget_back_in_sight", 1)
+
+
 
 # -- the whole path: ranks, a training cell, the benchmark ------------------------------------
 TRAIN_CELL = """\

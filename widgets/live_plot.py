@@ -17,7 +17,8 @@ the whole figure again (benchmarks/bench_browser.py measures what that costs). E
 times its redraws and waits REDRAW_BUDGET times as long before the next, drawing the
 latest data then: drawing takes at most about a tenth of the browser's main thread, as
 in the kernel, whatever the browser. A fast browser still draws every update; a slow
-one, fewer.
+one, fewer. A view out of sight draws nothing until it is back: a long run in a
+collapsed output or a background tab costs the browser no drawing.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ function render({ model, el }) {
   // A restyle is timed to the frame that paints it; the next one starts no sooner than
   // REDRAW_BUDGET times that after it, and draws the latest series and tail then.
   let pending = false, readyAt = 0, closed = false;
+  // Out of sight (scrolled away, its output collapsed, its browser tab in the
+  // background) a view does not draw; back in sight, it draws the latest data.
+  let inSight = true, missed = false;
+  const visible = () => inSight && !document.hidden;
   const pause = (ms) => new Promise((done) => setTimeout(done, ms));
   const painted = () => new Promise((done) => {
     requestAnimationFrame(() => done());
@@ -101,6 +106,10 @@ function render({ model, el }) {
     await pause(readyAt - performance.now());
     pending = false;  // an update from now on needs a restyle of its own
     if (closed || !drawn) return;
+    if (!visible()) {
+      missed = true;
+      return;
+    }
     const start = performance.now();
     await restyle();
     await painted();
@@ -113,6 +122,18 @@ function render({ model, el }) {
       later(pacedRestyle);
     }
   };
+  const onSight = () => {
+    if (missed && visible()) {
+      missed = false;
+      onSeries();
+    }
+  };
+  const sight = new IntersectionObserver((entries) => {
+    inSight = entries[entries.length - 1].isIntersecting;
+    onSight();
+  });
+  sight.observe(el);
+  document.addEventListener("visibilitychange", onSight);
   model.on("change:figure", onFigure);
   model.on("change:series", onSeries);
   model.on("change:tail", onSeries);
@@ -132,6 +153,8 @@ function render({ model, el }) {
     model.off("change:tail", onSeries);
     closed = true;
     resized.disconnect();
+    sight.disconnect();
+    document.removeEventListener("visibilitychange", onSight);
     Plotly.purge(div);
   };
 }
