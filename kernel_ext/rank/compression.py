@@ -331,8 +331,9 @@ class _CountingHook:
 
 
 def _powersgd_bytes(state: Any) -> Callable[[Any], int]:
-    """What torch's powerSGD_hook sends for a bucket (its own rule for what to compress)."""
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+    """What torch's powerSGD_hook sends for a bucket. Its rule, from the PowerSGD paper:
+    an (n, m) gradient of rank-r approximation travels as its factors P (n, r) and Q
+    (m, r) when they are `min_compression_rate` times smaller than it; else whole."""
 
     def bytes_of(bucket) -> int:
         buffer = bucket.buffer()
@@ -343,8 +344,8 @@ def _powersgd_bytes(state: Any) -> Callable[[Any], int]:
             n = g.shape[0]  # torch views each gradient as (shape[0], -1)
             m = g.numel() // n
             r = min(n, m, state.matrix_approximation_rank)
-            worth, dense, compressed = _should_compress(n, m, r, state.min_compression_rate)
-            numel += compressed if worth else dense
+            dense, factors = n * m, (n + m) * r
+            numel += factors if factors * state.min_compression_rate < dense else dense
         return numel * buffer.element_size()
 
     return bytes_of
