@@ -135,13 +135,21 @@ class MpilabMagics(Magics):
         self.session.show_dashboard()
 
     @magic_arguments(name="%mpilab metrics")
-    @argument("--save", required=True, help="FILE.json or FILE.csv")
+    @argument("--save", help="FILE.json or FILE.csv: every run's steps and logged scalars")
+    @argument("--clear", action="store_true",
+              help="then forget them (and the spans): the next save holds only later runs")
     def _metrics_args(self, line):
-        """%mpilab metrics --save FILE.json|FILE.csv"""
+        """%mpilab metrics [--save FILE.json|FILE.csv] [--clear]"""
 
     def _metrics(self, rest: str):
         args = _parse(self._metrics_args, rest)
-        print(f"mpilab: metrics saved to {self.session.save_metrics(args.save)}")
+        if args.save is None and not args.clear:
+            raise UsageError("%mpilab metrics: give --save FILE.json|FILE.csv, --clear, or both")
+        if args.save is not None:
+            print(f"mpilab: metrics saved to {self.session.save_metrics(args.save)}")
+        if args.clear:
+            self.session.clear_metrics()
+            print("mpilab: metrics cleared")
 
     @magic_arguments(name="%mpilab trace")
     @argument("--save", required=True, help="FILE.json (Chrome trace; Perfetto opens it)")

@@ -98,6 +98,9 @@ class Session:
     def save_metrics(self, path: str) -> Path:
         return self._store().save(path)
 
+    def clear_metrics(self) -> None:
+        self._store().clear()
+
     def save_trace(self, path: str) -> Path:
         if not path.endswith(".json"):
             raise ClusterError(f"{path}: a trace is saved as .json (Chrome trace format)")

@@ -198,6 +198,7 @@ def test_push_pull_round_trip(lab):
     ("%mpilab bench allreduce --sizes 4K --backends carrier-pigeon",
      "bench backend 'carrier-pigeon' is not one of"),
     ("%mpilab metrics --save run.txt", "metrics are saved as .json or .csv"),
+    ("%mpilab metrics", "give --save FILE.json|FILE.csv, --clear, or both"),
     ("%mpilab trace --save trace.csv", "a trace is saved as .json"),
 ])
 def test_bad_input_with_cluster(lab, code, message):
@@ -268,6 +269,14 @@ def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp
 
     dash = lab.run("%mpilab dashboard")
     assert dash.ok and "mpilab dashboard: 2 ranks, step 12" in dash.text
+
+    # saved, then forgotten: the next save holds only later runs
+    cleared = lab.run(f"%mpilab metrics --save {json_path} --clear")
+    assert cleared.ok and "metrics cleared" in cleared.stdout
+    assert json.loads(json_path.read_text())["records"] == records
+    assert lab.run(f"%mpilab metrics --save {json_path}").ok
+    assert json.loads(json_path.read_text())["records"] == []
+    assert "no training metrics yet" in lab.run("%mpilab dashboard").text
 
 
 def test_noblock_training_keeps_its_dashboard_updating(lab):
