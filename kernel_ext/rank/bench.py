@@ -192,7 +192,9 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
     n, comm = ctx.world_size, ctx.comm
     count = _effective_size(op, size, n) // 4
     part = count // n if op == "allgather" else count
-    send = np.full(part, float(ctx.rank), np.float32)
+    # zeros: an allreduce sums in place, hundreds of times; any other value would double
+    # each time and overflow (numpy warns on the ranks' stderr), for no difference in speed
+    send = np.zeros(part, np.float32)
     recv = np.zeros(count, np.float32) if op == "allgather" else send
 
     if backend == "mpi":
