@@ -269,7 +269,13 @@ feeder3 = threading.Thread(target=feed_until_stopped)
 feeder3.start()
 display(dash3.mimebundle(), raw=True)
 """
-STOP_FEEDING = "stop.set(); feeder3.join(); print('fed', len(fed))"
+# then a scalar never logged before: the figure gains a trace
+STOP_FEEDING = """\
+stop.set(); feeder3.join()
+store.add({"k": "log", "r": 0, "t": time.time(), "step": 5000 + len(fed), "values": {"lr": 0.1}})
+dash3.refresh(force=True)
+print('fed', len(fed))
+"""
 
 
 def test_view_out_of_sight_draws_nothing_until_back(page, lab):
@@ -307,10 +313,13 @@ def test_view_out_of_sight_draws_nothing_until_back(page, lab):
     assert page.evaluate(drawn) == hidden, "a view out of sight drew the last update"
 
     cell(page, 1).locator(".jp-OutputPlaceholder").click()
-    # back in sight, it draws the data it missed: every step but the warm-up one
-    page.wait_for_function("n => window.feedPlot._fullData[0].x.length == n", arg=fed - 1,
+    # back in sight, it draws what it missed: every step but the warm-up one, and the
+    # new scalar's trace
+    page.wait_for_function("n => window.feedPlot._fullData.length == 9 &&"
+                           " window.feedPlot._fullData[0].x.length == n", arg=fed - 1,
                            timeout=10_000)
     assert trace_x(page, 1, 0) == list(range(5001, 5000 + fed))
+    assert trace_x(page, 1, 8) == [5000 + fed]
     screenshot(page, "widget_back_in_sight", 1)
 
 

@@ -88,14 +88,15 @@ function render({ model, el }) {
   // attaching it), so that it is the only one; restyles and new figures wait for it
   let sized = false, drawn = false;
   const onFigure = () => {
-    if (drawn) later(draw);
+    if (drawn) later(() => (visible() ? draw() : (missed = "figure")));
   };
   // A restyle is timed to the frame that paints it; the next one starts no sooner than
   // REDRAW_BUDGET times that after it, and draws the latest series and tail then.
   let pending = false, readyAt = 0, closed = false;
   // Out of sight (scrolled away, its output collapsed, its browser tab in the
-  // background) a view does not draw; back in sight, it draws the latest data.
-  let inSight = true, missed = false;
+  // background) a view does not draw; back in sight, it draws what it missed: the
+  // latest data, or the whole figure when traces were added meanwhile.
+  let inSight = true, missed = null;  // null, "data" or "figure"
   const visible = () => inSight && !document.hidden;
   const pause = (ms) => new Promise((done) => setTimeout(done, ms));
   const painted = () => new Promise((done) => {
@@ -107,7 +108,7 @@ function render({ model, el }) {
     pending = false;  // an update from now on needs a restyle of its own
     if (closed || !drawn) return;
     if (!visible()) {
-      missed = true;
+      missed = missed || "data";
       return;
     }
     const start = performance.now();
@@ -123,10 +124,11 @@ function render({ model, el }) {
     }
   };
   const onSight = () => {
-    if (missed && visible()) {
-      missed = false;
-      onSeries();
-    }
+    if (!missed || !visible()) return;
+    const figure = missed === "figure";
+    missed = null;
+    if (figure) later(draw);  // with the latest data
+    else onSeries();
   };
   const sight = new IntersectionObserver((entries) => {
     inSight = entries[entries.length - 1].isIntersecting;
