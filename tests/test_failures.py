@@ -130,7 +130,7 @@ def test_soak_300_cells_memory_bounded(nb):
     assert all(g < 64 for g in growth_mb), growth_mb
 
 
-def test_blocking_torch_collective_restarts_with_plain_message(nb):
+def test_blocking_torch_collective_restarts_with_plain_message(nb, tmp_path):
     run, took = timed(nb, "%%ranks\nt = torch.ones(3)\nif rank == 1:\n"
                           "    raise RuntimeError('gone')\ndist.all_reduce(t)", timeout=180)
     assert not run.ok and took < 60
@@ -140,6 +140,14 @@ def test_blocking_torch_collective_restarts_with_plain_message(nb):
     assert "restarted the ranks: their state was lost; no checkpoint was saved" in err
     run = nb.run("%%ranks\nimport torch\nx = torch.ones(2)\nmpilab.allreduce(x)\nx.tolist()")
     assert run.ok and "[2.0, 2.0]" in run.text
+
+    # once one is saved, the next restart names it: the state to go back to
+    path = (tmp_path / "ckpt.pt").resolve()
+    assert nb.run(f"%%ranks\nmpilab.save_checkpoint({str(path)!r}, torch.nn.Linear(2, 2))").ok
+    run, _ = timed(nb, "%%ranks\nt = torch.ones(3)\nif rank == 1:\n"
+                       "    raise RuntimeError('gone again')\ndist.all_reduce(t)", timeout=180)
+    assert not run.ok
+    assert f"their state was lost; the last checkpoint saved was {path} at " in run.error_text
 
 
 def test_dead_rank_reported_with_signal_and_last_lines_then_restart(nb):

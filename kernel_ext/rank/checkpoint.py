@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import agent as agent_mod
 from . import bootstrap, collectives
 
 FORMAT = 1
@@ -76,6 +77,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
             _write_atomically(target, payload)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = f"cannot write checkpoint {str(target)!r}: {e}"
+        else:  # the notebook names it if the ranks must be restarted
+            agent_mod.current().emit("event", what="checkpoint", path=str(target.resolve()))
     error = _share_text(error)
     if error:
         raise CheckpointError(error)
