@@ -37,6 +37,10 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
     "event": {"what": (str,)},
     "rows": {"of": (str,), "labels": (list,), "data": (bytes,)},  # a block of a table
 }
+# Events whose newest alone matters: each replaces the last one of its rank. A progress
+# bar reports 5 times a second; kept, its events would push the rare ones (a cell's end,
+# a checkpoint) out of the bounded buffers within an hour, and readers would scan them.
+LATEST_ONLY_EVENTS = frozenset({"progress"})
 MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
 MAX_BATCH_RECORDS = 1000
 # The ranks send at the same moments (agent.SEND_INTERVAL_S); their batches count as
@@ -161,6 +165,7 @@ class MetricsStore:
     received: int = 0  # records filed (a table's row counts as one)
     version: int = 0  # bumps on every filing; readers poll it cheaply
     heartbeats: dict = field(default_factory=dict)
+    _latest: dict = field(default_factory=dict)  # (what, rank) -> newest LATEST_ONLY event
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
     _buffers: dict = field(default_factory=dict)  # (kind, rank) -> records (events)
     _tables: dict = field(default_factory=dict)  # kind -> (rank, labels) -> _Rows
@@ -226,6 +231,8 @@ class MetricsStore:
             record["recv"] = now
             if kind == "hb":
                 self.heartbeats[rank] = record
+            elif kind == "event" and record["what"] in LATEST_ONLY_EVENTS:
+                self._latest[(record["what"], rank)] = record
             else:
                 buf = self._buffers.get((kind, rank))
                 if buf is None:
@@ -309,6 +316,13 @@ class MetricsStore:
                 record["values"][labels[0]] = fields["value"]
         return records
 
+    def latest_event(self, what: str, rank: int, since: float = 0.0) -> dict | None:
+        """The newest event of a LATEST_ONLY_EVENTS kind from `rank`, if stamped at or
+        after `since`."""
+        with self._lock:
+            event = self._latest.get((what, rank))
+        return event if event is not None and event["t"] >= since else None
+
     def has_rows(self, kinds: tuple[str, ...], since: float = 0.0) -> bool:
         """True when a table of these kinds has a row stamped at or after `since`."""
         with self._lock:
@@ -325,6 +339,7 @@ class MetricsStore:
         with self._lock:
             self._buffers.clear()
             self._tables.clear()
+            self._latest.clear()
             self.version += 1
 
     # -- exporters -------------------------------------------------------------------

@@ -62,11 +62,9 @@ class LiveViews:
             time.sleep(0.002)
 
     def _progress(self, final: bool = False) -> None:
-        events = [e for e in self.store.records("event", rank=0, since=self.started)
-                  if e.get("what") == "progress"]
-        if not events:
+        last = self.store.latest_event("progress", rank=0, since=self.started)
+        if last is None:
             return
-        last = events[-1]
         state = (last.get("n"), last.get("total"), last.get("desc"))
         now = time.monotonic()
         if state == self._progress_shown or (

@@ -103,6 +103,21 @@ def test_store_buffers_are_bounded_per_rank():
     assert store.received == 1001 and store.version == 1001
 
 
+def test_progress_keeps_its_newest_and_never_pushes_rare_events_out():
+    """A progress bar reports 5 times a second: in a long run it must not evict a
+    checkpoint's event (the restart message names it), nor make readers scan its past."""
+    store = MetricsStore(world_size=2, max_per_rank=10)
+    store.add({"k": "event", "r": 0, "t": T0, "what": "checkpoint", "path": "/ckpt.pt"})
+    for n in range(100):
+        store.add({"k": "event", "r": 0, "t": T0 + 1 + n, "what": "progress", "n": n})
+    assert [e["what"] for e in store.records("event")] == ["checkpoint"]
+    assert store.latest_event("progress", rank=0)["n"] == 99
+    assert store.latest_event("progress", rank=0, since=T0 + 101) is None  # an older cell's
+    assert store.latest_event("progress", rank=1) is None
+    store.clear()
+    assert store.latest_event("progress", rank=0) is None
+
+
 def test_store_add_raw_drops_and_counts_garbage():
     store = MetricsStore(world_size=2)
     garbage = [
