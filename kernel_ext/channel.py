@@ -37,10 +37,11 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
     "event": {"what": (str,)},
     "rows": {"of": (str,), "labels": (list,), "data": (bytes,)},  # a block of a table
 }
-# Events whose newest alone matters: each replaces the last one of its rank. A progress
-# bar reports 5 times a second; kept, its events would push the rare ones (a cell's end,
-# a checkpoint) out of the bounded buffers within an hour, and readers would scan them.
-LATEST_ONLY_EVENTS = frozenset({"progress"})
+# Events whose newest alone matters: each replaces the last one of its rank, and they
+# outlive clear() (state, not metrics). A progress bar reports 5 times a second; kept,
+# its events would push the rare ones (a cell's end) out of the bounded buffers within
+# an hour, and readers would scan them. A checkpoint is named when the ranks restart.
+LATEST_ONLY_EVENTS = frozenset({"progress", "checkpoint"})
 MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
 MAX_BATCH_RECORDS = 1000
 # The ranks send at the same moments (agent.SEND_INTERVAL_S); their batches count as
@@ -335,11 +336,11 @@ class MetricsStore:
             return {r: now - t for r, t in self.last_seen.items()}
 
     def clear(self) -> None:
-        """Forget the metrics of the previous run (heartbeats stay)."""
+        """Forget the metrics of the previous runs (heartbeats and LATEST_ONLY_EVENTS
+        stay)."""
         with self._lock:
             self._buffers.clear()
             self._tables.clear()
-            self._latest.clear()
             self.version += 1
 
     # -- exporters -------------------------------------------------------------------

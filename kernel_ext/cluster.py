@@ -121,7 +121,10 @@ class RankCluster:
         self.config.validate()
         mpiexec = find_mpiexec(self.config.mpiexec) if self.config.launcher == "mpi" else None
         started = time.perf_counter()
+        saved = self.store.latest_event("checkpoint", rank=0) if self.store else None
         self.store = MetricsStore(world_size=self.config.n)
+        if saved is not None:  # a later restart still names it: the file outlives the ranks
+            self.store.add(saved)
         self._receiver = RecordReceiver(self.store, ip=self.config.controller_ip)
         try:
             self._start_engines(mpiexec)

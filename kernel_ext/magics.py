@@ -135,7 +135,8 @@ class MpilabMagics(Magics):
         self.session.show_dashboard()
 
     @magic_arguments(name="%mpilab metrics")
-    @argument("--save", help="FILE.json or FILE.csv: every run's steps and logged scalars")
+    @argument("--save", help="FILE.json or FILE.csv: the steps and logged scalars of every "
+              "run since the ranks started")
     @argument("--clear", action="store_true",
               help="then forget them (and the spans): the next save holds only later runs")
     def _metrics_args(self, line):

@@ -179,9 +179,8 @@ def last_checkpoint(store) -> str:
     """The newest checkpoint the ranks reported saving, for the restart message."""
     if store is None:
         return "no checkpoint was saved"
-    saved = [e for e in store.records("event") if e.get("what") == "checkpoint"]
-    if not saved:
+    last = store.latest_event("checkpoint", rank=0)  # rank 0 writes them
+    if last is None:
         return "no checkpoint was saved"
-    last = saved[-1]
     when = time.strftime("%H:%M:%S", time.localtime(last["t"]))
     return f"the last checkpoint saved was {last.get('path', '?')} at {when}"

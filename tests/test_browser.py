@@ -139,22 +139,28 @@ def add_step(step):
                    "samples": 32})
         store.add({"k": "log", "r": r, "t": now, "step": step,
                    "values": {"loss": 2.0 / (1 + step / 20) + 0.01 * r}})
-"""
 
-# like a --noblock cell: the kernel is idle, a thread feeds and redraws
-FED_STEPS = 120
-NOBLOCK_CELL = f"""\
-dash = Dashboard(store, world_size=2)
-def feed(steps={FED_STEPS}):
+fed = []  # the steps feed() added
+def feed(dash, steps, stop=None):
+    # like a --noblock cell: the kernel is idle while a thread adds `steps` and redraws
+    # after each, until `stop` is set
     deadline = time.monotonic() + 60
     while dash.widget._view_count < 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # start once the browser shows the plot
-    for step in range(steps):
+    for step in steps:
+        if stop is not None and stop.is_set():
+            break
         add_step(step)
+        fed.append(step)
         dash.refresh()
         time.sleep(0.05)
     dash.refresh(force=True)
-feeder = threading.Thread(target=feed)
+"""
+
+FED_STEPS = 120
+NOBLOCK_CELL = f"""\
+dash = Dashboard(store, world_size=2)
+feeder = threading.Thread(target=feed, args=(dash, range({FED_STEPS})))
 feeder.start()
 display(dash.mimebundle(), raw=True)
 """
@@ -251,21 +257,12 @@ def seen_final(page, index: int, steps: int) -> bool:
     return bool(lengths) and lengths[0][0] >= steps
 
 
-# a thread feeds the plot until told to stop (the kernel stays idle, as in --noblock)
+# a thread feeds the plot until told to stop
 FEED_UNTIL_STOPPED = """\
+import itertools
 dash3 = Dashboard(store, world_size=2, since=time.time())
-stop, fed = threading.Event(), []
-def feed_until_stopped():
-    deadline = time.monotonic() + 60
-    while dash3.widget._view_count < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    while not stop.is_set():
-        add_step(5000 + len(fed))
-        fed.append(1)
-        dash3.refresh()
-        time.sleep(0.05)
-    dash3.refresh(force=True)
-feeder3 = threading.Thread(target=feed_until_stopped)
+stop = threading.Event()
+feeder3 = threading.Thread(target=feed, args=(dash3, itertools.count(5000), stop))
 feeder3.start()
 display(dash3.mimebundle(), raw=True)
 """

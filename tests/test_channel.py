@@ -103,19 +103,20 @@ def test_store_buffers_are_bounded_per_rank():
     assert store.received == 1001 and store.version == 1001
 
 
-def test_progress_keeps_its_newest_and_never_pushes_rare_events_out():
-    """A progress bar reports 5 times a second: in a long run it must not evict a
-    checkpoint's event (the restart message names it), nor make readers scan its past."""
+def test_latest_only_events_keep_their_newest_and_never_push_rare_ones_out():
+    """A progress bar reports 5 times a second: in a long run it must not evict a cell's
+    end marker (the cell waits for it), nor make readers scan its past."""
     store = MetricsStore(world_size=2, max_per_rank=10)
-    store.add({"k": "event", "r": 0, "t": T0, "what": "checkpoint", "path": "/ckpt.pt"})
+    store.add({"k": "event", "r": 0, "t": T0, "what": "cell-end", "cell": 3})
     for n in range(100):
         store.add({"k": "event", "r": 0, "t": T0 + 1 + n, "what": "progress", "n": n})
-    assert [e["what"] for e in store.records("event")] == ["checkpoint"]
+    assert [e["what"] for e in store.records("event")] == ["cell-end"]
     assert store.latest_event("progress", rank=0)["n"] == 99
     assert store.latest_event("progress", rank=0, since=T0 + 101) is None  # an older cell's
     assert store.latest_event("progress", rank=1) is None
-    store.clear()
-    assert store.latest_event("progress", rank=0) is None
+    store.add({"k": "event", "r": 0, "t": T0 + 200, "what": "checkpoint", "path": "/b.pt"})
+    store.clear()  # metrics go; the newest checkpoint stays (a restart names it)
+    assert store.latest_event("checkpoint", rank=0)["path"] == "/b.pt"
 
 
 def test_store_add_raw_drops_and_counts_garbage():
