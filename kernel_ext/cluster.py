@@ -17,7 +17,7 @@ from pathlib import Path
 from .channel import MetricsStore, RecordReceiver
 from .rank.engine_main import KERNEL_PID_ENV
 
-LAUNCHERS = ("mpi", "slurm", "ssh")
+LAUNCHERS = ("mpi", "slurm")
 
 
 class ClusterError(Exception):
@@ -38,8 +38,15 @@ class ClusterConfig:
     def validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
             raise ClusterError(f"-n must be a positive number of ranks, got {self.n!r}")
+        if self.launcher == "ssh":
+            raise ClusterError(
+                "--launcher ssh would start each engine on its own, not as one MPI job: "
+                "use --launcher mpi --hostfile FILE (mpiexec reaches the hosts over ssh)")
         if self.launcher not in LAUNCHERS:
             raise ClusterError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
+        if self.hostfile and self.launcher != "mpi":
+            raise ClusterError("--hostfile goes with --launcher mpi; under slurm, the "
+                               "allocation places the ranks")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ClusterError(f"--backend {self.backend!r} is not auto, nccl or gloo")
         if self.hostfile and not Path(self.hostfile).is_file():
@@ -154,14 +161,12 @@ class RankCluster:
             sys.executable, "-m", "mpilab.controller_main"]
         # engines start importing torch while they register (mpilab.rank.engine_main)
         engine_cmd = [sys.executable, "-m", "mpilab.rank.engine_main"]
-        for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher", "SSHEngineSetLauncher"):
+        for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher"):
             cluster.config[launcher].engine_cmd = engine_cmd
         if cfg.launcher == "mpi":
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
             if cfg.hostfile:
                 cluster.config.MPIEngineSetLauncher.mpi_args = ["-f", cfg.hostfile]
-        elif cfg.hostfile:
-            cluster.config.SSHEngineSetLauncher.engines = _hosts_from_file(cfg.hostfile)
         self._ipp_cluster = cluster
         try:
             cluster.start_cluster_sync()
@@ -216,6 +221,7 @@ class RankCluster:
             summaries = ar.get()
         except Exception as e:  # noqa: BLE001 - the ranks' own error, shortened
             raise ClusterError(f"rank bootstrap failed: {_remote_message(e)}") from None
+        check_one_world(summaries, cfg.n)
         self.ranks = sorted(summaries, key=lambda s: s["rank"])
         self.engine_of_rank = {s["rank"]: eid for s, eid in zip(summaries, ar.engine_id)}
 
@@ -378,15 +384,16 @@ def _quiet_log() -> logging.Logger:
     return log
 
 
-def _hosts_from_file(path: str) -> dict:
-    hosts: dict[str, int] = {}
-    for line in Path(path).read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if not line:
-            continue
-        host, _, count = line.partition(":")
-        hosts[host.strip()] = hosts.get(host.strip(), 0) + int(count or 1)
-    return hosts
+def check_one_world(summaries: list[dict], n: int) -> None:
+    """The engines must be the ranks 0..n-1 of one MPI job: a launcher that starts them
+    one by one (each its own world of one) would make n ranks 0."""
+    ranks = sorted(s["rank"] for s in summaries)
+    sizes = sorted({s["world_size"] for s in summaries})
+    if ranks != list(range(n)) or sizes != [n]:
+        raise ClusterError(
+            f"the {len(summaries)} engines are not one MPI job of {n} ranks (they are ranks "
+            f"{ranks} of worlds of {sizes}): the launcher must start them together, as "
+            "`--launcher mpi` does with mpiexec")
 
 
 def _remote_message(error: Exception) -> str:

@@ -18,6 +18,7 @@ from conftest import cluster_pids
 @pytest.mark.parametrize("code, message", [
     ("%%ranks\nprint(1)", "no ranks are running: start them with `%mpilab start -n N`"),
     ("%mpilab start -n 0", "-n must be a positive number of ranks, got 0"),
+    ("%mpilab start --launcher ssh", "not as one MPI job: use --launcher mpi --hostfile FILE"),
     ("%mpilab start -n x", "argument -n: invalid int value: 'x'"),
     ("%mpilab start --bogus", "unrecognized arguments: --bogus"),
     ("%mpilab frobnicate", "%mpilab needs a subcommand 'frobnicate'"),

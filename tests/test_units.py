@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mpilab.cluster import ClusterConfig, ClusterError, find_mpiexec
+from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.runner import OutputRelay, format_ranks, parse_ranks
@@ -87,10 +87,22 @@ def test_relay_cap_cuts_and_says_how_much():
     ({"n": 0}, "-n must be a positive"), ({"launcher": "pbs"}, "--launcher 'pbs'"),
     ({"backend": "mpi"}, "--backend 'mpi'"), ({"hostfile": "/no/such"}, "no such file"),
     ({"timeout": 0}, "--timeout must be positive"),
+    ({"launcher": "ssh"}, "use --launcher mpi --hostfile FILE"),
+    ({"launcher": "slurm", "hostfile": "hosts"}, "--hostfile goes with --launcher mpi"),
 ])
 def test_cluster_config_validation(kwargs, message):
     with pytest.raises(ClusterError, match=message):
         ClusterConfig(**kwargs).validate()
+
+
+def test_engines_must_be_one_mpi_job():
+    one_job = [{"rank": r, "world_size": 3} for r in (2, 0, 1)]
+    check_one_world(one_job, 3)
+    # started one by one (ssh, a misconfigured srun): each is rank 0 of a world of one
+    apart = [{"rank": 0, "world_size": 1} for _ in range(3)]
+    with pytest.raises(ClusterError, match=r"not one MPI job of 3 ranks \(they are ranks "
+                                           r"\[0, 0, 0\] of worlds of \[1\]\)"):
+        check_one_world(apart, 3)
 
 
 def test_find_mpiexec_order(tmp_path, monkeypatch):
