@@ -86,6 +86,10 @@ class _Pending:
     arrived: float
 
 
+def _discard(stream: str, text: str) -> None:
+    """A relay's writer for --quiet cells."""
+
+
 class OutputRelay:
     """Turns per-rank output streams into prefixed lines, identical lines shown once.
 
@@ -250,7 +254,10 @@ class CellRunner:
         md_of_rank = dict(zip(ranks, metadata))
         offsets = {(r, s): 0 for r in ranks for s in ("stdout", "stderr")}
         shown_outputs = {r: 0 for r in ranks}
-        relay = OutputRelay(ranks, self.write, cap=options.output_cap)
+        # --quiet writes nothing, but the relay still keeps each rank's last lines: a
+        # death report shows them
+        relay = OutputRelay(ranks, _discard if options.quiet else self.write,
+                            cap=options.output_cap)
         views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard)
         self.last_views = views
         deadline = None if options.timeout is None else time.monotonic() + options.timeout
@@ -263,8 +270,7 @@ class CellRunner:
                     start = offsets[(r, stream)]
                     if len(text) > start:
                         offsets[(r, stream)] = len(text)
-                        if not options.quiet:
-                            relay.feed(r, stream, _ANSI.sub("", text[start:]), now)
+                        relay.feed(r, stream, _ANSI.sub("", text[start:]), now)
                 outputs = md["outputs"]
                 while shown_outputs[r] < len(outputs):
                     if not options.quiet:
@@ -298,7 +304,7 @@ class CellRunner:
         engines_died = _engines_died(singles)
         views.finish(ranks if ar.ready() and not outcome.dead and not engines_died else None)
         note = relay.cap_note()
-        if note:
+        if note and not options.quiet:
             self.write("stderr", note + "\n")
         if not outcome.dead and not outcome.restarted and engines_died:
             # ipyparallel noticed first; the watchdog names the dead and how they died

@@ -173,11 +173,14 @@ def test_dead_rank_reported_with_signal_and_last_lines_then_restart(nb):
 
 
 def test_rank_exit_code_reported(nb):
-    run, _ = timed(nb, "%%ranks\nimport os, time\ntime.sleep(0.5)\nif rank == 0:\n    os._exit(3)\n"
-                       "time.sleep(60)")
+    # --quiet relays no output, yet the report still shows the dead rank's last lines
+    run, _ = timed(nb, "%%ranks --quiet\nimport os, time\nprint('quiet words', rank, flush=True)"
+                       "\ntime.sleep(0.5)\nif rank == 0:\n    os._exit(3)\ntime.sleep(60)")
     assert not run.ok
     assert re.search(r"rank 0 \(pid \d+ on \S+\) died: exited with code 3", run.error_text), \
         run.error_text
+    assert "quiet words" not in run.stdout
+    assert "last lines from rank 0:" in run.error_text and "quiet words 0" in run.error_text
     assert nb.run("%mpilab restart", timeout=180).ok
 
 
