@@ -71,6 +71,9 @@ def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
 
 
 _ENGINE_EXIT = re.compile(r"mpilab-engine-exit pid=(?P<pid>\d+) (?P<cause>.+)")
+# a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
+# dist.all_reduce(…), node_comm.Barrier(); mpilab's own collectives report themselves
+_DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
 
 
 def death_cause(pid: int, launcher_output: str) -> str:
@@ -90,6 +93,7 @@ class Watchdog:
         self.ranks = ranks
         self.hang_timeout = hang_timeout
         self.first_failure: float | None = None
+        self._on_line: dict[int, tuple[str, float]] = {}  # rank -> (direct call, seen since)
         beats = cluster.store.heartbeats if cluster.store else {}
         self._cells_before = {r: hb.get("cell", 0) for r, hb in dict(beats).items()}
         self.local_host = socket.gethostname()
@@ -172,7 +176,32 @@ class Watchdog:
             lines = [f"hang: {describe(r, hb)}" for r, hb in sorted(stuck.items())]
             lines.append(f"progress: {progress}")
             return Verdict("hang", lines, release=running)
-        return None
+        return self._direct_hang(now, finished, waiting)
+
+    def _direct_hang(self, now: float, finished: dict[int, str],
+                     waiting: dict[int, dict | None]) -> Verdict | None:
+        """Ranks that sit on one line calling MPI or torch.distributed directly for
+        hang_timeout while the others have finished the cell: a collective that the
+        finished ranks never joined. mpilab cannot see inside such a call; a line that
+        stays put while every peer is gone is the sign."""
+        done = sorted(r for r, how in finished.items() if how == "ok")
+        on_line = {}
+        for r, hb in waiting.items():
+            where = hb.get("where", "") if self._this_cell(hb) else ""
+            if not (done and hb and hb.get("phase") == "running"
+                    and _DIRECT_CALL.search(where)):
+                self._on_line.clear()
+                return None
+            line, since = self._on_line.get(r, (where, now))
+            on_line[r] = (where, since if line == where else now)
+        self._on_line = on_line
+        if any(now - since <= self.hang_timeout for _, since in on_line.values()):
+            return None
+        peers = ("ranks " if len(done) > 1 else "rank ") + ", ".join(map(str, done))
+        lines = [f"hang: rank {r} has been at {where} for {now - since:.1f} s, and {peers} "
+                 "finished the cell without joining it" for r, (where, since)
+                 in sorted(on_line.items())]
+        return Verdict("hang", lines, release=list(waiting))
 
 
 def last_checkpoint(store) -> str:

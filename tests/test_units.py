@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from mpilab.channel import MetricsStore
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.runner import OutputRelay, format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
+from mpilab.watchdog import Watchdog
 
 
 @pytest.mark.parametrize("spec, ranks", [
@@ -172,3 +174,40 @@ def test_recovery_hooks_of_replaced_objects_drop_out(monkeypatch):
     waiting.recover()
     assert calls == [kept] and not waiting.aborted()
     assert len(waiting._recover_hooks) == 1
+
+
+class _QuietCluster:
+    """What Watchdog reads of a cluster: heartbeats in a store, no local processes."""
+
+    def __init__(self):
+        self.store = MetricsStore(world_size=2)
+        self.ranks = []
+
+    def beat(self, rank: int, t: float, phase: str, where: str = "") -> None:
+        self.store.add({"k": "hb", "r": rank, "t": t, "pid": 1, "host": "h", "phase": phase,
+                        "op": "", "seq": 0, "op_age": 0.0, "rss": 0, "step": 0, "cell": 1,
+                        "where": where})
+
+
+def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
+    cluster = _QuietCluster()
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0)
+    allreduce = "cell line 5: comm.Allreduce(MPI.IN_PLACE, x)"
+    cluster.beat(0, 0.0, "running", allreduce)
+    cluster.beat(1, 0.0, "running", "cell line 2: y = model(x)")
+    assert watchdog.check(10.0, {}) is None  # nobody finished: it may be waiting for them
+    cluster.beat(1, 10.0, "idle")
+    assert watchdog.check(10.0, {1: "ok"}) is None  # the clock starts now
+    cluster.beat(0, 12.0, "running", "cell line 4: z = compute(x)")  # it moved on
+    assert watchdog.check(12.0, {1: "ok"}) is None
+    cluster.beat(0, 13.0, "running", allreduce)
+    assert watchdog.check(13.0, {1: "ok"}) is None  # on it again: the clock starts again
+    assert watchdog.check(15.9, {1: "ok"}) is None
+    verdict = watchdog.check(16.1, {1: "ok"})
+    assert verdict.kind == "hang" and verdict.release == [0]
+    assert verdict.lines == [f"hang: rank 0 has been at {allreduce} for 3.1 s, and rank 1 "
+                             "finished the cell without joining it"]
+    # a long computation on one rank is no hang, however long
+    cluster.beat(0, 20.0, "running", "cell line 3: evaluate(model)")
+    assert Watchdog(cluster, [0, 1], hang_timeout=3.0).check(100.0, {1: "ok"}) is None
+
