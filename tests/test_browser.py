@@ -275,6 +275,19 @@ print('fed', len(fed))
 """
 
 
+def settled(page, expression: str, quiet_ms: int = 1000, timeout_s: float = 10):
+    """The value of a page expression once it has not changed for `quiet_ms` (or after
+    `timeout_s`): a loaded machine may take a while to finish what was under way."""
+    value, since = page.evaluate(expression), time.monotonic()
+    deadline = since + timeout_s
+    while time.monotonic() < deadline and time.monotonic() - since < quiet_ms / 1000:
+        page.wait_for_timeout(250)
+        now = page.evaluate(expression)
+        if now != value:
+            value, since = now, time.monotonic()
+    return value
+
+
 def test_view_out_of_sight_draws_nothing_until_back(page, lab):
     """A researcher who collapses the dashboard's output (or scrolls away, or switches
     tabs) during a long run should not pay for drawing it; back, it shows the latest."""
@@ -298,8 +311,7 @@ def test_view_out_of_sight_draws_nothing_until_back(page, lab):
     drawn = "() => [window.feedDraws, window.feedPlot._fullData[0].x.length]"
     cell(page, 1).locator(".jp-Cell-outputCollapser").click()
     cell(page, 1).locator(".jp-OutputPlaceholder").wait_for()
-    page.wait_for_timeout(500)  # a drawing under way when it was hidden ends
-    hidden = page.evaluate(drawn)
+    hidden = settled(page, drawn)  # a drawing under way when it was hidden ends
     page.wait_for_timeout(1500)  # the thread goes on feeding: ~30 steps, ~6 updates
     assert page.evaluate(drawn) == hidden, "a view out of sight went on drawing"
 
