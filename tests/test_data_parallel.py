@@ -98,6 +98,8 @@ for backend in ("mpi", "torch", "mpi-inline"):
             "err": err, "rel_update_err": float(num / den),
             "steps": [f["step"] for f in steps], "samples": [f["samples"] for f in steps],
             "nbytes_ok": all(f["nbytes"] > 0 for f in steps),
+            "nbytes": [f["nbytes"] for f in steps],
+            "logged": [f["values"] for kind, f in records if kind == "log"],
             "times_ok": all(0 <= f["compute"] <= f["dur"] + 1e-9 and f["comm"] >= 0
                             for f in steps),
             "agent_step": agent.current().state.step,
@@ -169,6 +171,16 @@ def test_one_step_record_per_optimizer_step(trained: list, backend: str) -> None
         assert got["samples"] == [8, 8, 8, 8]  # both micro-batches counted with no_sync
         assert got["nbytes_ok"] and got["times_ok"]
         assert got["agent_step"] == 4
+
+
+@pytest.mark.parametrize("backend", ["mpi", "torch"])
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_half_precision_logs_its_bytes_and_ratio(trained: list, backend: str,
+                                                  compression: str) -> None:
+    """The dashboard's bytes sent and compression ratio, as for the other methods."""
+    got = trained[0][f"{backend}-{compression}"]
+    assert [v["bytes_sent"] for v in got["logged"]] == got["nbytes"]
+    assert all(v["compression_ratio"] == 2.0 for v in got["logged"])  # float32 sent as 16 bits
 
 
 @pytest.mark.parametrize("backend", ["mpi", "torch"])

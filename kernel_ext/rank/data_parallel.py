@@ -34,7 +34,14 @@ from torch import nn
 
 from . import agent as agent_mod
 from . import bootstrap, collectives, waiting
-from .compression import CompressedGradSync, Method, count_step, ddp_hook, replace_grad_hooks
+from .compression import (
+    CompressedGradSync,
+    Method,
+    TrafficMeter,
+    count_step,
+    ddp_hook,
+    replace_grad_hooks,
+)
 from .compression import resolve as resolve_compression
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
@@ -70,6 +77,7 @@ class _StepClock:
     samples: int = 0
     comm_s: float = 0.0
     nbytes: int = 0
+    meter: TrafficMeter | None = None  # fp16/bf16: bytes sent and ratio, as log records
 
     def forward(self, args: tuple, kwargs: dict) -> None:
         """Count the samples: the first dimension of the first tensor argument."""
@@ -91,6 +99,8 @@ class _StepClock:
         agent.emit("step", step=self.step, dur=dur, compute=max(0.0, dur - exposed_wait_s),
                    comm=self.comm_s, nbytes=self.nbytes, samples=self.samples)
         count_step(self.nbytes)
+        if self.meter is not None:
+            self.meter.report(self.step, self.nbytes)
         self.last_sync = now
         self.first_forward = None
         self.samples = 0
@@ -515,6 +525,9 @@ class DataParallel(ModelWrapper):
                              "wrap the plain model (its .module) instead")
         self.module = model
         self._clock = _StepClock()
+        if compression in _WIRE_DTYPE:  # the other methods meter what they send themselves
+            self._clock.meter = TrafficMeter(sum(
+                p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
         check_same_parameters(model)
         # a strategy that wrapped this model before (a rerun cell) stops at its next step
         model.__dict__.pop("_mpilab_strategy", None)
