@@ -85,24 +85,6 @@ def test_hang_diagnosed_after_hang_timeout_and_released(nb):
     assert nb.run("%%ranks\nx = torch.ones(2)\nmpilab.allreduce(x)\nassert x[0] == 2").ok
 
 
-def test_direct_mpi_collective_hang_diagnosed_and_restarted(nb):
-    """comm.Allreduce on one rank only: mpilab cannot see into the call, but the rank
-    sits on that line while its peer has finished the cell."""
-    run, took = timed(nb, "%%ranks --hang-timeout 3\nimport numpy as np\nfrom mpi4py import MPI"
-                          "\nx = np.ones(3)\nif rank == 0:\n"
-                          "    comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)\nprint('done', rank)",
-                      timeout=180)
-    assert not run.ok and took < 60
-    err = run.error_text
-    assert re.search(r"hang: rank 0 has been at cell line 5: comm\.Allreduce\(MPI\.IN_PLACE, "
-                     r"x, op=MPI\.SUM\) for \d+\.\d s, and rank 1 finished the cell without "
-                     r"joining it", err), err
-    assert "restarted the ranks: their state was lost" in err
-    assert "[rank 1] done 1" in run.stdout
-    assert nb.run("%%ranks\nimport torch\nx = torch.ones(2)\nmpilab.allreduce(x)\n"
-                  "assert x[0] == 2").ok
-
-
 def test_mismatched_collectives_reported_at_once(nb):
     run, took = timed(nb, "%%ranks\nx = torch.ones(3)\nif rank == 0:\n    mpilab.allreduce(x)\n"
                           "else:\n    mpilab.broadcast(x)")
@@ -169,6 +151,25 @@ def test_blocking_torch_collective_restarts_with_plain_message(nb, tmp_path):
         assert not run.ok
         assert f"their state was lost; the last checkpoint saved was {path} at " \
             in run.error_text
+
+
+def test_direct_mpi_collective_hang_diagnosed_and_restarted(nb):
+    """comm.Allreduce on one rank only: mpilab cannot see into the call, but the rank
+    sits on that line while its peer has finished the cell."""
+    run, took = timed(nb, "%%ranks --hang-timeout 3\nimport numpy as np\nfrom mpi4py import MPI"
+                          "\nx = np.ones(3)\nif rank == 0:\n"
+                          "    comm.Allreduce(MPI.IN_PLACE, x, op=MPI.SUM)\nprint('done', rank)",
+                      timeout=180)
+    assert not run.ok and took < 60
+    err = run.error_text
+    assert re.search(r"hang: rank 0 has been at cell line 5: comm\.Allreduce\(MPI\.IN_PLACE, "
+                     r"x, op=MPI\.SUM\) for \d+\.\d s, and rank 1 finished the cell without "
+                     r"joining it", err), err
+    assert "restarted the ranks: their state was lost" in err
+    assert "[rank 1] done 1" in run.stdout
+    # the restart lost the module's imports: back for the tests after this one
+    assert nb.run("%%ranks\nimport torch, numpy as np, os, time\nx = torch.ones(2)\n"
+                  "mpilab.allreduce(x)\nassert x[0] == 2").ok
 
 
 def test_dead_rank_reported_with_signal_and_last_lines_then_restart(nb):
