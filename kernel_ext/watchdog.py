@@ -166,8 +166,11 @@ class Watchdog:
                          for r, hb in waiting.items()]
                 return Verdict("peer-failed", lines, release=running)
             return None
+        # a heartbeat of an earlier cell (this one's first has not come yet) may still
+        # show the collective a released rank was in
         stuck = {r: hb for r, hb in waiting.items()
-                 if hb and hb.get("phase") == "collective" and _age(hb) > self.hang_timeout}
+                 if self._this_cell(hb) and hb.get("phase") == "collective"
+                 and _age(hb) > self.hang_timeout}
         if stuck:
             progress = ", ".join(
                 f"rank {r} at collective #{hb['seq'] if hb else '?'}"

@@ -183,10 +183,25 @@ class _QuietCluster:
         self.store = MetricsStore(world_size=2)
         self.ranks = []
 
-    def beat(self, rank: int, t: float, phase: str, where: str = "") -> None:
+    def beat(self, rank: int, t: float, phase: str, where: str = "", cell: int = 1,
+             op: str = "", op_age: float = 0.0) -> None:
         self.store.add({"k": "hb", "r": rank, "t": t, "pid": 1, "host": "h", "phase": phase,
-                        "op": "", "seq": 0, "op_age": 0.0, "rss": 0, "step": 0, "cell": 1,
-                        "where": where})
+                        "op": op, "seq": 7, "op_age": op_age, "rss": 0, "step": 0,
+                        "cell": cell, "where": where})
+
+
+def test_a_collective_of_an_earlier_cell_is_no_hang_of_this_one(monkeypatch):
+    cluster = _QuietCluster()
+    now = 1000.0
+    monkeypatch.setattr("time.time", lambda: now)
+    # released from allreduce #7 after 3.1 s in cell 1; cell 2 starts before its first beat
+    cluster.beat(0, now - 0.1, "collective", cell=1, op="allreduce", op_age=3.1)
+    cluster.beat(1, now - 0.1, "idle", cell=1)
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0)
+    assert watchdog.check(now, {}) is None
+    cluster.beat(0, now, "collective", cell=2, op="allreduce", op_age=3.2)  # this cell's
+    assert watchdog.check(now, {}).lines[0] == "hang: rank 0 was waiting in allreduce #7 " \
+        "for 3.2 s"
 
 
 def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
