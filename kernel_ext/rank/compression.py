@@ -274,7 +274,6 @@ class CompressedGradSync:
     def __init__(self, model: nn.Module, method: Method, clock: Any):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.compressor = make_compressor(method, "mpi")
-        self.meter = TrafficMeter(collectives.tensor_bytes(self.params))
         self.clock = clock
         self.enabled = True
         self.pending = False
@@ -304,29 +303,21 @@ class CompressedGradSync:
         elapsed = time.perf_counter() - start
         self.clock.comm_s += elapsed
         self.clock.nbytes += nbytes
-        self.meter.report(self.clock.step + 1, nbytes)
         self.clock.synced(elapsed)
 
 
 class _CountingHook:
-    """A DDP comm hook that counts the bytes `inner` sends and reports them per step."""
+    """A DDP comm hook that counts the bytes `inner` sends into the step clock."""
 
     def __init__(self, inner: Callable, state: Any, bytes_of: Callable[[Any], int],
-                 dense_bytes: int, clock: Any):
+                 clock: Any):
         self.inner = inner
         self.state = state
         self.bytes_of = bytes_of
-        self.meter = TrafficMeter(dense_bytes)
         self.clock = clock
-        self.step_bytes = 0
 
     def __call__(self, state, bucket):  # unannotated: DDP checks annotations against its own
-        nbytes = self.bytes_of(bucket)  # before inner: torch's state.iter moves in it
-        self.step_bytes += nbytes
-        self.clock.nbytes += nbytes
-        if bucket.is_last():
-            self.meter.report(self.clock.step + 1, self.step_bytes)
-            self.step_bytes = 0
+        self.clock.nbytes += self.bytes_of(bucket)  # before inner: torch's state.iter moves
         return self.inner(self.state, bucket)
 
 
@@ -373,9 +364,8 @@ class _TopKDDP:
         return k * (bucket.buffer().element_size() + 4)
 
 
-def ddp_hook(method: Method, model: nn.Module, clock: Any) -> Callable:
+def ddp_hook(method: Method, clock: Any) -> Callable:
     """The DDP comm hook for `method` (backend "torch"); it counts its own bytes."""
-    dense = collectives.tensor_bytes([p for p in model.parameters() if p.requires_grad])
     if isinstance(method, PowerSGD):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -384,6 +374,6 @@ def ddp_hook(method: Method, model: nn.Module, clock: Any) -> Callable:
             start_powerSGD_iter=method.dense_steps,
             min_compression_rate=method.min_compression_rate,
             use_error_feedback=True, warm_start=True, random_seed=0)
-        return _CountingHook(psgd.powerSGD_hook, state, _powersgd_bytes(state), dense, clock)
+        return _CountingHook(psgd.powerSGD_hook, state, _powersgd_bytes(state), clock)
     topk = _TopKDDP(method)
-    return _CountingHook(topk, None, topk.bytes_of, dense, clock)
+    return _CountingHook(topk, None, topk.bytes_of, clock)

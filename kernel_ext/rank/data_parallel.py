@@ -77,7 +77,9 @@ class _StepClock:
     samples: int = 0
     comm_s: float = 0.0
     nbytes: int = 0
-    meter: TrafficMeter | None = None  # fp16/bf16: bytes sent and ratio, as log records
+    # what a method that sends less than plain DataParallel reports at each step: its
+    # bytes and compression ratio, as log records (compression and the strategies)
+    meter: TrafficMeter | None = None
 
     def forward(self, args: tuple, kwargs: dict) -> None:
         """Count the samples: the first dimension of the first tensor argument."""
@@ -429,7 +431,7 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
     )
     method = resolve_compression(cfg.compression)
     if isinstance(method, Method):
-        inner, wire_bytes = ddp_hook(method, model, clock), 0
+        inner, wire_bytes = ddp_hook(method, clock), 0
     else:
         inner, wire_bytes = {
             None: (default_hooks.allreduce_hook, None),
@@ -525,9 +527,9 @@ class DataParallel(ModelWrapper):
                              "wrap the plain model (its .module) instead")
         self.module = model
         self._clock = _StepClock()
-        if compression in _WIRE_DTYPE:  # the other methods meter what they send themselves
-            self._clock.meter = TrafficMeter(sum(
-                p.numel() * p.element_size() for p in model.parameters() if p.requires_grad))
+        if compression is not None:
+            self._clock.meter = TrafficMeter(collectives.tensor_bytes(
+                [p for p in model.parameters() if p.requires_grad]))
         check_same_parameters(model)
         # a strategy that wrapped this model before (a rerun cell) stops at its next step
         model.__dict__.pop("_mpilab_strategy", None)

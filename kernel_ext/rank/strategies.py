@@ -75,8 +75,7 @@ class _Averaging(ModelWrapper):
             [b.detach() for b in model.buffers() if b.is_floating_point()]
         self._param_ids = {id(p) for p in params}
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._clock = _StepClock()
-        self.meter = TrafficMeter(collectives.tensor_bytes(params))
+        self._clock = _StepClock(meter=TrafficMeter(collectives.tensor_bytes(params)))
         # Rewrapping (a rerun cell) replaces the earlier wrap, DataParallel's hooks too.
         replace_grad_hooks(model)
         earlier = model.__dict__.get("_mpilab_strategy")
@@ -120,7 +119,6 @@ class _Averaging(ModelWrapper):
         self._clock.comm_s += comm_s
         self._clock.nbytes += nbytes
         self._clock.synced(comm_s)
-        self.meter.report(self._clock.step, nbytes)
 
     def _average(self, tensors: list[torch.Tensor]) -> int:
         collectives.allreduce(tensors, op="mean", backend=self.backend)
