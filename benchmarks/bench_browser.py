@@ -20,6 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -36,9 +37,17 @@ from jupyter_lab import (  # noqa: E402
     wait_cell_done,
 )
 
-# mode -> (%%ranks flags, records on, dashboard left in sight)
-MODES = {"watched": ("", True, True), "out of sight": ("", True, False),
-         "unwatched": (" --no-dashboard", False, False)}
+
+@dataclass(frozen=True)
+class Mode:
+    flags: str  # of %%ranks
+    records: bool  # the ranks send their records
+    collapsed: bool = False  # the dashboard's output is collapsed once it appears
+
+
+MODES = {"watched": Mode("", records=True),
+         "out of sight": Mode("", records=True, collapsed=True),
+         "unwatched": Mode(" --no-dashboard", records=False)}
 GROUPS = ("browser", "server", "kernel", "ranks", "other")
 
 
@@ -82,8 +91,8 @@ def main() -> None:
         modes = modes[1:] + modes[:1]
     cells = ["%load_ext mpilab\n%mpilab start -n 2", SETUP]
     for mode in order:
-        flags, records, _ = MODES[mode]
-        cells.append(f"%%ranks 0-1{flags}\nrate = train({args.steps}, {records})\n"
+        cells.append(f"%%ranks 0-1{MODES[mode].flags}\n"
+                     f"rate = train({args.steps}, {MODES[mode].records})\n"
                      "print('samples/s', round(rate))")
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     cpu: dict[str, list[dict[str, float]]] = {mode: [] for mode in MODES}
@@ -97,14 +106,14 @@ def main() -> None:
         for index, mode in enumerate(order, start=2):
             before, started = cpu_seconds(), time.monotonic()
             run_cell(page, index)
-            if not MODES[mode][2]:
-                if MODES[mode][1]:  # out of sight once shown
-                    cell(page, index).locator(".jp-OutputArea .js-plotly-plot").first.wait_for(
-                        timeout=60_000)
-                    cell(page, index).locator(".jp-Cell-outputCollapser").click()
+            collapsed = MODES[mode].collapsed
+            if collapsed:
+                cell(page, index).locator(".jp-OutputArea .js-plotly-plot").first.wait_for(
+                    timeout=60_000)
+                cell(page, index).locator(".jp-Cell-outputCollapser").click()
             wait_cell_done(page, index, timeout_s=600)
             after, seconds = cpu_seconds(), time.monotonic() - started
-            if MODES[mode][1] and not MODES[mode][2]:
+            if collapsed:
                 cell(page, index).locator(".jp-OutputPlaceholder").click()  # to read it
             # the ranks step together; the slower one sets the pace
             per_rank = re.findall(r"samples/s (\d+)", cell(page, index).inner_text())

@@ -87,17 +87,17 @@ function render({ model, el }) {
   // the first drawing waits until the view has its width (JupyterLab makes it before
   // attaching it), so that it is the only one; restyles and new figures wait for it
   let sized = false, drawn = false;
+  // Out of sight (scrolled away, its output collapsed, its browser tab in the
+  // background) a view does not draw; back in sight, it draws what it missed: the
+  // latest data, or the whole figure when traces were added meanwhile.
+  let inSight = true, missed = null;  // null, "data" or "figure"
+  const visible = () => inSight && !document.hidden;
   const onFigure = () => {
     if (drawn) later(() => (visible() ? draw() : (missed = "figure")));
   };
   // A restyle is timed to the frame that paints it; the next one starts no sooner than
   // REDRAW_BUDGET times that after it, and draws the latest series and tail then.
   let pending = false, readyAt = 0, closed = false;
-  // Out of sight (scrolled away, its output collapsed, its browser tab in the
-  // background) a view does not draw; back in sight, it draws what it missed: the
-  // latest data, or the whole figure when traces were added meanwhile.
-  let inSight = true, missed = null;  // null, "data" or "figure"
-  const visible = () => inSight && !document.hidden;
   const pause = (ms) => new Promise((done) => setTimeout(done, ms));
   const painted = () => new Promise((done) => {
     requestAnimationFrame(() => done());
