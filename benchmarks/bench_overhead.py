@@ -94,8 +94,9 @@ def _timed_refresh(self, force=False):
             self._probe_position = {}
         # the log rows the widget has now, taken since the last redraw
         for _, _, rows in self.store.new_rows("log", self._probe_position,
-                                              upto=self._runlog.position["log"]):
-            _latencies.extend((now - rows[rows[:, 0] >= self.since, 0]).tolist())
+                                              upto=self._runlog.position["log"],
+                                              window=self.cell.bounds(self.store)):
+            _latencies.extend((now - rows[:, 0]).tolist())
     return drawn
 _d.Dashboard.refresh = _timed_refresh
 """

@@ -14,6 +14,7 @@ import csv
 import itertools
 import json
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -42,6 +43,9 @@ RECORD_SCHEMA: dict[str, dict[str, tuple]] = {
 # its events would push the rare ones (a cell's end) out of the bounded buffers within
 # an hour, and readers would scan them. A checkpoint is named when the ranks restart.
 LATEST_ONLY_EVENTS = frozenset({"progress", "checkpoint"})
+# how far the ranks' clocks may lag the notebook's (hosts kept in step by NTP): a cell's
+# start is looked for from this long before it was run
+CLOCK_SKEW_S = 60.0
 MAX_MESSAGE_BYTES = 256 * 1024  # a batch of records from one rank
 MAX_BATCH_RECORDS = 1000
 # The ranks send at the same moments (agent.SEND_INTERVAL_S); their batches count as
@@ -156,6 +160,37 @@ class _Rows:
         return self.data[first:last]
 
 
+Bounds = dict[int, tuple[float, float]]  # rank -> (from, until), epoch s: one run's records
+
+
+@dataclass
+class CellWindow:
+    """Which records are one cell's. A cell may wait on the ranks behind a --noblock one,
+    so per rank they are those between its cell-start and cell-end events there, which
+    name the cell's execute request. Without `msg_ids`: every rank's from `since` on."""
+
+    since: float  # epoch s: when the cell was run (it begins on the ranks later)
+    msg_ids: dict[int, str] | None = None  # rank -> the cell's execute request there
+    _bounds: Bounds = field(default_factory=dict)
+
+    def bounds(self, store: MetricsStore) -> Bounds:
+        """The ranks whose records count now, and from when until when."""
+        if self.msg_ids is None:
+            return {r: (self.since, math.inf) for r in range(store.world_size)}
+        if len(self._bounds) < len(self.msg_ids) or any(
+                end == math.inf for _, end in self._bounds.values()):
+            self._bounds = store.cell_bounds(self.msg_ids, self.since)  # until it ends
+        return self._bounds
+
+    def started(self, store: MetricsStore) -> float | None:
+        """When the first rank began the cell (epoch s), once one has."""
+        bounds = self.bounds(store)
+        return min(start for start, _ in bounds.values()) if bounds else None
+
+    def ended(self, store: MetricsStore) -> set[int]:
+        return {r for r, (_, end) in self.bounds(store).items() if end != math.inf}
+
+
 @dataclass
 class MetricsStore:
     """Bounded per-rank buffers of what the ranks reported. Thread-safe."""
@@ -256,21 +291,27 @@ class MetricsStore:
             rows = tables[(rank, labels)] = _Rows(len(TABLES[kind].columns), self.max_per_rank)
         return rows
 
-    def new_rows(self, kind: str, position: dict, upto: dict | None = None
-                 ) -> list[tuple[int, tuple, np.ndarray]]:
+    def new_rows(self, kind: str, position: dict, upto: dict | None = None,
+                 window: Bounds | None = None) -> list[tuple[int, tuple, np.ndarray]]:
         """(rank, labels, rows) of a tabular kind filed since `position`, which it moves
         on (to `upto`'s, when given: another reader's position). For readers that take
         each row once, however long the run: a copy of the new rows, columns as in the
-        kind's Table, then the time each was filed."""
+        kind's Table, then the time each was filed. With `window`, only its ranks' rows
+        stamped within their bounds; the other ranks' rows stay to be taken (a rank's
+        window may not be known yet)."""
         out = []
         with self._lock:
             for key, table in self._tables.get(kind, {}).items():
+                if window is not None and key[0] not in window:
+                    continue
                 serial, first = position.get(key, (table.serial, 0))
                 if serial != table.serial:
                     first = 0  # the store was cleared since
                 end = table.end if upto is None else upto.get(key, (table.serial, 0))[1]
                 rows = table.between(first, end)
                 position[key] = (table.serial, max(first, end))
+                if window is not None:
+                    rows = _within(rows, window[key[0]])
                 if len(rows):
                     out.append((*key, rows.copy()))
         return out
@@ -317,18 +358,34 @@ class MetricsStore:
                 record["values"][labels[0]] = fields["value"]
         return records
 
-    def latest_event(self, what: str, rank: int, since: float = 0.0) -> dict | None:
-        """The newest event of a LATEST_ONLY_EVENTS kind from `rank`, if stamped at or
-        after `since`."""
+    def latest_event(self, what: str, rank: int, since: float = 0.0,
+                     until: float = math.inf) -> dict | None:
+        """The newest event of a LATEST_ONLY_EVENTS kind from `rank`, if stamped between
+        `since` and `until`."""
         with self._lock:
             event = self._latest.get((what, rank))
-        return event if event is not None and event["t"] >= since else None
+        return event if event is not None and since <= event["t"] <= until else None
 
-    def has_rows(self, kinds: tuple[str, ...], since: float = 0.0) -> bool:
-        """True when a table of these kinds has a row stamped at or after `since`."""
+    def has_rows(self, kinds: tuple[str, ...], window: Bounds) -> bool:
+        """True when a table of these kinds has a row of a rank in `window`, within its
+        bounds."""
         with self._lock:
-            return any((rows.between()[:, 0] >= since).any()
-                       for kind in kinds for rows in self._tables.get(kind, {}).values())
+            return any(len(_within(rows.between(), window[rank]))
+                       for kind in kinds for (rank, _), rows in self._tables.get(kind, {}).items()
+                       if rank in window)
+
+    def cell_bounds(self, msg_ids: dict[int, str], since: float) -> Bounds:
+        """rank -> (start, end) of the cell each rank ran for the execute request `msg_ids`
+        names, for the ranks that have begun it (end is inf while it runs); `since`: when
+        it was run."""
+        bounds = {}
+        with self._lock:
+            for rank, msg_id in msg_ids.items():
+                events = _newer_than(self._buffers.get(("event", rank)), since - CLOCK_SKEW_S)
+                marks = {e["what"]: e["t"] for e in events if e.get("msg") == msg_id}
+                if "cell-start" in marks:
+                    bounds[rank] = (marks["cell-start"], marks.get("cell-end", math.inf))
+        return bounds
 
     def heartbeat_ages(self) -> dict[int, float]:
         now = time.monotonic()
@@ -409,6 +466,13 @@ def _newer_than(buf: _Records | None, since: float) -> list[dict]:
         newer.append(rec)
     newer.reverse()
     return newer
+
+
+def _within(rows: np.ndarray, bounds: tuple[float, float]) -> np.ndarray:
+    """The rows stamped within (from, until)."""
+    since, until = bounds
+    times = rows[:, 0]
+    return rows[(times >= since) & (times <= until)]
 
 
 def _refuse_ext(code, data):

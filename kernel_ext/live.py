@@ -11,17 +11,20 @@ import uuid
 
 from IPython.display import display, update_display
 
+from .channel import CellWindow
+
 PROGRESS_MIN_INTERVAL_S = 0.25
 CELL_END_WAIT_S = 1.0
 
 
 class LiveViews:
-    def __init__(self, store, world_size: int, dashboard: bool):
+    def __init__(self, store, world_size: int, dashboard: bool, msg_ids: dict[int, str]):
+        """msg_ids: rank -> the cell's execute request there (ipyparallel's msg id)."""
         from mpilab.widgets import Dashboard
 
         self.store = store
-        self.started = time.time()
-        self.dashboard = Dashboard(store, world_size, since=self.started) if dashboard else None
+        self.cell = CellWindow(time.time(), msg_ids)
+        self.dashboard = Dashboard(store, world_size, cell=self.cell) if dashboard else None
         self._dashboard_id: str | None = None
         self._progress_id: str | None = None
         self._progress_shown: tuple | None = None
@@ -55,14 +58,13 @@ class LiveViews:
         """Records travel apart from the cell's reply: wait for each rank's end marker."""
         deadline = time.monotonic() + CELL_END_WAIT_S
         while time.monotonic() < deadline:
-            ended = {e["r"] for e in self.store.records("event", since=self.started)
-                     if e.get("what") == "cell-end"}
-            if ended.issuperset(ranks):
+            if self.cell.ended(self.store).issuperset(ranks):
                 return
             time.sleep(0.002)
 
     def _progress(self, final: bool = False) -> None:
-        last = self.store.latest_event("progress", rank=0, since=self.started)
+        bounds = self.cell.bounds(self.store).get(0)  # rank 0 reports progress
+        last = None if bounds is None else self.store.latest_event("progress", 0, *bounds)
         if last is None:
             return
         state = (last.get("n"), last.get("total"), last.get("desc"))

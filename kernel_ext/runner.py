@@ -258,9 +258,10 @@ class CellRunner:
         # death report shows them
         relay = OutputRelay(ranks, _discard if options.quiet else self.write,
                             cap=options.output_cap)
-        views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard)
+        views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard,
+                          dict(zip(ranks, ar.msg_ids)))
         self.last_views = views
-        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        deadline = None  # --timeout counts from when the ranks begin the cell
 
         def pump(final: bool = False) -> None:
             now = time.monotonic()
@@ -278,8 +279,7 @@ class CellRunner:
                         _publish(outputs[shown_outputs[r]], r, len(ranks) > 1)
                     shown_outputs[r] += 1
             relay.flush(now, final=final)
-            if views is not None:
-                views.tick()
+            views.tick()
 
         singles = dict(zip(ranks, ar.split()))
         watchdog = Watchdog(self.cluster, ranks, options.hang_timeout)
@@ -290,6 +290,10 @@ class CellRunner:
                 if verdict is not None:
                     self._contain(ar, verdict, relay, outcome)
                     break
+                if options.timeout is not None and deadline is None:
+                    started = views.cell.started(self.cluster.store)
+                    if started is not None:  # it may have waited behind a --noblock cell
+                        deadline = time.monotonic() + options.timeout - (time.time() - started)
                 if deadline is not None and time.monotonic() > deadline:
                     outcome.timed_out = True
                     self._release(ar, ranks, outcome)

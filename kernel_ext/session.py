@@ -147,8 +147,8 @@ class Session:
 
         store = self._store()
         views = self.runner.last_views
-        since = views.started if views is not None else 0.0
-        dash = Dashboard(store, self.cluster.world_size, since=since)
+        dash = Dashboard(store, self.cluster.world_size,
+                         cell=views.cell if views is not None else None)
         if not dash.has_data():
             raise ClusterError("no training metrics yet: run a cell that uses "
                                "mpilab.DataParallel or mpilab.log(...)")

@@ -12,7 +12,13 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from mpilab.channel import MAX_MESSAGE_BYTES, MetricsStore, RecordReceiver, validate
+from mpilab.channel import (
+    MAX_MESSAGE_BYTES,
+    CellWindow,
+    MetricsStore,
+    RecordReceiver,
+    validate,
+)
 from mpilab.rank.agent import BATCH_RECORDS, encode, tabulate
 
 T0 = 1_700_000_000.0
@@ -117,6 +123,44 @@ def test_latest_only_events_keep_their_newest_and_never_push_rare_ones_out():
     store.add({"k": "event", "r": 0, "t": T0 + 200, "what": "checkpoint", "path": "/b.pt"})
     store.clear()  # metrics go; the newest checkpoint stays (a restart names it)
     assert store.latest_event("checkpoint", rank=0)["path"] == "/b.pt"
+
+
+def test_a_cells_window_is_its_time_on_each_rank_from_its_start_and_end_events():
+    """A cell queued behind a --noblock one starts on the ranks later than it was run,
+    and not on every rank at once: its records are, per rank, those between its own
+    start and end events there; a rank that has not begun it keeps its rows for later."""
+    store = MetricsStore(world_size=3)
+    cell = CellWindow(since=T0, msg_ids={0: "b0", 1: "b1"})  # ranks 0 and 1 only
+
+    def mark(rank, what, t, msg):
+        store.add({"k": "event", "r": rank, "t": t, "what": what, "cell": 1, "msg": msg})
+
+    for rank in range(3):
+        mark(rank, "cell-start", T0 - 5, f"a{rank}")  # the --noblock cell before it
+        for step in range(4):
+            store.add(with_(GOOD["step"], r=rank, step=step, t=T0 - 4 + step))
+    assert cell.bounds(store) == {} and cell.started(store) is None
+    position: dict = {}
+    assert store.new_rows("step", position, window=cell.bounds(store)) == []
+    assert not store.has_rows(("step",), cell.bounds(store))
+    mark(0, "cell-end", T0 + 0.5, "a0")
+    mark(0, "cell-start", T0 + 1, "b0")
+    store.add(with_(GOOD["step"], r=0, step=0, t=T0 + 2))
+    assert cell.bounds(store) == {0: (T0 + 1, float("inf"))} and cell.started(store) == T0 + 1
+    assert store.has_rows(("step",), cell.bounds(store))
+    (rank, _, rows), = store.new_rows("step", position, window=cell.bounds(store))
+    assert (rank, rows[:, 1].tolist()) == (0, [0])  # not the earlier cell's steps
+    # rank 1 ends the earlier cell and begins this one; its rows were kept until now
+    mark(1, "cell-end", T0 + 1.5, "a1")
+    mark(1, "cell-start", T0 + 1.6, "b1")
+    store.add(with_(GOOD["step"], r=1, step=0, t=T0 + 1.7))
+    mark(0, "cell-end", T0 + 3, "b0")
+    store.add(with_(GOOD["step"], r=0, step=9, t=T0 + 4))  # a later cell's
+    assert cell.ended(store) == {0}
+    got = {rank: rows[:, 1].tolist()
+           for rank, _, rows in store.new_rows("step", position, window=cell.bounds(store))}
+    assert got == {1: [0]}
+    assert 2 not in cell.bounds(store)  # a rank the cell does not run on shows nothing
 
 
 def test_store_add_raw_drops_and_counts_garbage():

@@ -292,6 +292,30 @@ def test_noblock_training_keeps_its_dashboard_updating(lab):
     assert any("trained" in m["content"].get("text", "") for m in messages)
 
 
+def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(lab):
+    """A cell run while a --noblock cell trains waits behind it on the ranks: its
+    dashboard, progress bar and --timeout begin when the ranks begin it."""
+    first = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1)
+                    .replace("range(12)", "range(60)").replace('"train"', '"first"'))
+    assert first.ok
+    # 60 steps of 0.05 s ahead of it: counted from when it was run, 3 s would time out
+    second = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --timeout 3", 1)
+                     .replace("loss=", "acc=").replace('"train"', '"second"'))
+    assert second.ok, second.text
+    texts = [o["content"]["data"].get("text/plain", "") for o in second.outputs
+             if o["type"] in ("display_data", "update_display_data")]
+    bars = [t for t in texts if t.startswith(("first:", "second:"))]
+    assert bars and all(t.startswith("second:") for t in bars), bars
+    final = [t for t in texts if t.startswith("mpilab dashboard")][-1]
+    assert "step 12" in final and "acc" in final and "loss" not in final, final
+    # the first cell's own dashboard ends with its own run
+    messages = [m for m in lab.collect_iopub(1.0) if m["parent"] == first.msg_id]
+    ends = [m["content"]["data"]["text/plain"] for m in messages
+            if m["type"] == "update_display_data"
+            and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")]
+    assert ends and "step 60" in ends[-1] and "acc" not in ends[-1], ends
+
+
 def test_status_lists_every_rank(lab):
     run = lab.run("%mpilab status")
     assert run.ok, run.text

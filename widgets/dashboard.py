@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
+from mpilab.channel import CellWindow
 from mpilab.rank.agent import TABLES
 from plotly.subplots import make_subplots
 
@@ -96,8 +97,8 @@ class _RunLog:
     """The plots' data, derived from each of the run's step and log records once, as it
     arrives: a redraw late in a long run costs what arrived since the last one."""
 
-    def __init__(self, since: float):
-        self.since = since
+    def __init__(self, cell: CellWindow):
+        self.cell = cell
         self.position: dict[str, dict] = {"step": {}, "log": {}}  # the store's rows taken
         self.ranks: dict[int, _RankSteps] = {}
         # samples/s summed over the ranks, at the steps every rank has reported
@@ -111,12 +112,12 @@ class _RunLog:
         """Take the rows that arrived since the last call; how many were the run's."""
         with self._lock:  # the receiver's thread and a final display may both read
             taken = 0
-            for rank, _, rows in store.new_rows("step", self.position["step"]):
-                rows = rows[rows[:, 0] >= self.since]
-                if len(rows):
-                    self._add_steps(rank, rows[:, _STEP_INDEX])
-                    taken += len(rows)
-            return taken + self._add_logs(store.new_rows("log", self.position["log"]))
+            window = self.cell.bounds(store)
+            for rank, _, rows in store.new_rows("step", self.position["step"], window=window):
+                self._add_steps(rank, rows[:, _STEP_INDEX])
+                taken += len(rows)
+            return taken + self._add_logs(
+                store.new_rows("log", self.position["log"], window=window))
 
     def snapshot(self) -> _Snapshot:
         """The plots' data, downsampled."""
@@ -165,9 +166,7 @@ class _RunLog:
         """A scalar's point at a step is the mean of the values the ranks logged there."""
         by_name: dict[str, list[np.ndarray]] = defaultdict(list)  # (step, value) rows
         for _, (name,), rows in logs:
-            rows = rows[rows[:, 0] >= self.since]
-            if len(rows):
-                by_name[name].append(rows[:, _LOG_INDEX])
+            by_name[name].append(rows[:, _LOG_INDEX])
         taken = 0
         for name, parts in by_name.items():
             steps, values = np.concatenate(parts).T
@@ -205,19 +204,21 @@ class _Snapshot:
 class Dashboard:
     """Live plots of a training run, read from a MetricsStore.
 
-    `since` (epoch seconds) hides the records of earlier runs. Display it with
+    `since` (epoch seconds) hides the records of earlier runs; a `cell` window shows
+    one cell's records (it may have waited behind a --noblock one). Display it with
     `display(dash.mimebundle(), raw=True)` or just `dash` in a cell.
     """
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
-    def __init__(self, store, world_size: int, since: float = 0.0):
+    def __init__(self, store, world_size: int, since: float = 0.0,
+                 cell: CellWindow | None = None):
         self.store = store
         self.world_size = world_size
-        self.since = since
+        self.cell = cell or CellWindow(since)
         self.redraws = 0
         self._min_interval = MIN_REDRAW_INTERVAL_S
-        self._runlog = _RunLog(since)
+        self._runlog = _RunLog(self.cell)
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -304,7 +305,7 @@ class Dashboard:
         version = self.store.version
         if not self._has_data and version != self._checked_version:  # called every tick
             self._checked_version = version
-            self._has_data = self.store.has_rows(("step", "log"), since=self.since)
+            self._has_data = self.store.has_rows(("step", "log"), self.cell.bounds(self.store))
         return self._has_data
 
     def static_figure(self) -> go.Figure:

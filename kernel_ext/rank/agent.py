@@ -113,6 +113,7 @@ class RankState:
     op_shape: str = ""
     step: int = 0
     cell: int = 0
+    request: str = ""  # the running cell's execute request (msg id): the notebook's name for it
     # the last collectives of the main thread: [seq, op, nbytes], for mismatch reports
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
 

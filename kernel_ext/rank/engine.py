@@ -41,7 +41,8 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         device=ctx.device, comm=ctx.comm, dist=dist, mpilab=mpilab,
     )
     shell.set_custom_exc((BaseException,), _clean_traceback)
-    state = agent_mod.current().state
+    agent = agent_mod.current()
+    state = agent.state
 
     def pre_run(info=None):
         state.cell += 1
@@ -49,12 +50,15 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         # ipykernel installs its own SIGINT handler for each cell; ours also aborts the
         # waits of every thread (a DataParallel comm thread must stop waiting too)
         signal.signal(signal.SIGINT, _interrupt)
+        # a cell may have waited here behind a --noblock one: its records start now
+        state.request = shell.kernel.get_parent().get("header", {}).get("msg_id", "")
+        agent.emit("event", what="cell-start", cell=state.cell, msg=state.request)
 
     def post_run(result=None):
         state.phase = "idle"
         # the notebook waits for this marker, so a cell's last records make its plots
-        agent_mod.current().emit("event", what="cell-end", cell=state.cell)
-        agent_mod.current().flush()
+        agent.emit("event", what="cell-end", cell=state.cell, msg=state.request)
+        agent.flush()
 
     for event, hook in (("pre_run_cell", pre_run), ("post_run_cell", post_run)):
         shell.events.register(event, hook)
