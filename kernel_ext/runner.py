@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ipyparallel.error import TaskAborted
+
+from .channel import CellWindow
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
 from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog, describe, last_checkpoint
@@ -21,9 +24,11 @@ from .watchdog import DEFAULT_HANG_TIMEOUT_S, Verdict, Watchdog, describe, last_
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
 INTERRUPT_GRACE_S = 3.0
+ABORT_SETTLE_S = 0.3  # a rank may begin a cell just as it is taken off the queue: watch
 OUTPUT_TRAIL_S = 5.0
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
 
+NOT_RUN = "not run"  # a rank's answer when it dropped the cell from its queue
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -197,6 +202,7 @@ class CellOutcome:
     timed_out: bool = False
     notes: list[str] = field(default_factory=list)  # the watchdog's explanation
     released: list[int] = field(default_factory=list)  # ranks it interrupted
+    dropped: list[int] = field(default_factory=list)  # ranks it took the cell from, unbegun
     dead: dict[int, str] = field(default_factory=dict)
     restarted: bool = False
 
@@ -288,7 +294,7 @@ class CellRunner:
                 pump()
                 verdict = watchdog.check(time.time(), _finished(singles))
                 if verdict is not None:
-                    self._contain(ar, verdict, relay, outcome)
+                    self._contain(ar, verdict, relay, outcome, views.cell)
                     break
                 if options.timeout is not None and deadline is None:
                     started = views.cell.started(self.cluster.store)
@@ -296,11 +302,11 @@ class CellRunner:
                         deadline = time.monotonic() + options.timeout - (time.time() - started)
                 if deadline is not None and time.monotonic() > deadline:
                     outcome.timed_out = True
-                    self._release(ar, ranks, outcome)
+                    self._release(ar, ranks, outcome, views.cell)
                     break
         except KeyboardInterrupt:
             outcome.interrupted = True
-            self._release(ar, ranks, outcome)
+            self._release(ar, ranks, outcome, views.cell)
         if ar.ready():
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
@@ -315,7 +321,7 @@ class CellRunner:
             time.sleep(0.5)
             verdict = watchdog.check(time.time(), {})
             if verdict is not None and verdict.dead:
-                self._contain(ar, verdict, relay, outcome)
+                self._contain(ar, verdict, relay, outcome, views.cell)
         if outcome.dead:
             for r in sorted(outcome.dead):
                 tail = relay.last_lines.get(r, [])[-5:]
@@ -325,7 +331,8 @@ class CellRunner:
             return
         self._collect(ar, ranks, outcome)
 
-    def _contain(self, ar, verdict: Verdict, relay: OutputRelay, outcome: CellOutcome) -> None:
+    def _contain(self, ar, verdict: Verdict, relay: OutputRelay, outcome: CellOutcome,
+                 cell: CellWindow) -> None:
         """Act on the watchdog's verdict: release waiting ranks, or report dead ones."""
         outcome.notes.extend(verdict.lines)
         if verdict.dead:
@@ -336,20 +343,46 @@ class CellRunner:
                 " ranks (their state was lost)")
             return
         outcome.released = verdict.release
-        self._release(ar, verdict.release, outcome)
+        self._release(ar, verdict.release, outcome, cell)
 
-    def _release(self, ar, ranks: list[int], outcome: CellOutcome) -> None:
+    def _release(self, ar, ranks: list[int], outcome: CellOutcome, cell: CellWindow) -> None:
         """Interrupt `ranks` (SIGINT: KeyboardInterrupt and an abort of every wait), then
         bring mpilab's communicators back in step on all ranks; restart when a rank sits
-        in a call that cannot be interrupted."""
-        engines = self.cluster.engines(ranks)
-        try:
-            self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
-        except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported below
-            pass
-        if ar.wait(INTERRUPT_GRACE_S) and self.cluster.recover():
+        in a call that cannot be interrupted. A rank that has not begun the cell (it still
+        runs an earlier --noblock one) is not interrupted: the cell leaves its queue."""
+        singles = dict(zip(outcome.ranks, ar.split()))
+        msg_ids = dict(zip(outcome.ranks, ar.msg_ids))
+        waiting = [r for r in ranks
+                   if r not in cell.bounds(self.cluster.store) and not singles[r].ready()]
+        if waiting:
+            try:
+                self.cluster.client.abort([msg_ids[r] for r in waiting],
+                                          targets=self.cluster.engines(waiting), block=False)
+            except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
+                pass
+        interrupted: list[int] = []
+        settled = time.monotonic() + (ABORT_SETTLE_S if waiting else 0.0)
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while True:
+            # a rank that began the cell as it was taken off the queue is interrupted too
+            begun = cell.bounds(self.cluster.store)
+            fresh = [r for r in ranks
+                     if r not in interrupted and (r not in waiting or r in begun)]
+            if fresh:
+                self._interrupt(fresh)
+                interrupted += fresh
+            done = all(singles[r].ready() for r in interrupted)
+            if (done and time.monotonic() >= settled) or time.monotonic() > deadline:
+                break
+            time.sleep(TICK_S)
+        outcome.dropped = [r for r in waiting if r not in interrupted]
+        if outcome.dropped:
+            outcome.notes.append(
+                f"{rank_label(outcome.dropped)} had not begun the cell: an earlier --noblock "
+                "cell still runs there and goes on; this one was taken off their queue")
+        if not interrupted or (done and self.cluster.recover()):
             return
-        stuck = [r for r, single in zip(outcome.ranks, ar.split()) if not single.ready()]
+        stuck = [r for r in interrupted if not singles[r].ready()]
         heartbeats = self.cluster.store.heartbeats if self.cluster.store else {}
         for r in stuck:
             outcome.notes.append(
@@ -360,6 +393,13 @@ class CellRunner:
         outcome.restarted = True
         self.cluster.restart()
 
+    def _interrupt(self, ranks: list[int]) -> None:
+        try:
+            self.cluster.client.send_signal("SIGINT", targets=self.cluster.engines(ranks),
+                                            block=False)
+        except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported later
+            pass
+
     def _collect(self, ar, ranks: list[int], outcome: CellOutcome) -> None:
         for r, single in zip(ranks, ar.split()):
             if not single.ready():
@@ -368,7 +408,9 @@ class CellRunner:
             result = single.get(return_exceptions=True)
             if isinstance(result, list):  # a one-engine view still answers with a list
                 result = result[0]
-            if isinstance(result, BaseException):
+            if isinstance(result, TaskAborted):
+                outcome.errors[r] = NOT_RUN
+            elif isinstance(result, BaseException):
                 outcome.errors[r] = _error_text(result)
             elif result.metadata.get("execute_result"):
                 outcome.results[r] = result.metadata["execute_result"].get("data", {})
@@ -386,11 +428,17 @@ class CellRunner:
         if outcome.timed_out:
             lines.append(f"mpilab: the cell did not finish within {options.timeout:g} s; "
                          "its ranks were interrupted")
-        errors = {r: e for r, e in outcome.errors.items() if r not in outcome.released}
+        errors = {r: e for r, e in outcome.errors.items()
+                  if r not in outcome.released and r not in outcome.dropped}
         for ranks in _group(errors):
             text = errors[ranks[0]]
             if text == "still running":
                 continue  # explained by the notes
+            if text == NOT_RUN:
+                lines.append(f"[{rank_label(ranks)}] did not run the cell: the cell before it "
+                             "there failed, and the ranks drop the cells queued behind a "
+                             "failed one; run it again")
+                continue
             if _is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1]:
                 lines.extend(f"[rank {r}] interrupted" for r in ranks)
             else:

@@ -316,6 +316,35 @@ def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(lab):
     assert ends and "step 60" in ends[-1] and "acc" not in ends[-1], ends
 
 
+def test_stopping_a_queued_cell_drops_it_and_the_noblock_cell_goes_on(lab):
+    first = lab.run("%%ranks --noblock\nimport time\ntime.sleep(3)\nprint('first done')")
+    assert first.ok
+    second = lab.run("%%ranks\nprint('second ran')", interrupt_after=1.0)
+    assert not second.ok
+    assert "ranks 0-1 had not begun the cell: an earlier --noblock cell still runs" in \
+        second.text, second.text
+    assert "Traceback" not in second.text and "restarted" not in second.text
+    messages = [m for m in lab.collect_iopub(4.0)
+                if m["parent"] in (first.msg_id, second.msg_id)]
+    texts = [m["content"].get("text", "") for m in messages if m["type"] == "stream"]
+    assert any("[ranks 0-1] first done" in t for t in texts), messages  # not interrupted
+    assert not any("second ran" in t for t in texts + [second.text])
+    assert lab.run("%%ranks\nprint('next', rank)").ok
+
+
+def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(lab):
+    first = lab.run("%%ranks --noblock\nimport time\ntime.sleep(1)\nraise ValueError('boom')")
+    assert first.ok
+    second = lab.run("%%ranks\nprint('second ran')")
+    assert not second.ok and "second ran" not in second.text
+    assert "[ranks 0-1] did not run the cell: the cell before it there failed" in \
+        second.text, second.text
+    _assert_one_line_error(second)
+    messages = [m for m in lab.collect_iopub(1.0) if m["parent"] == first.msg_id]
+    assert any("ValueError: boom" in m["content"].get("text", "") for m in messages), messages
+    assert lab.run("%%ranks\nprint('next', rank)").ok
+
+
 def test_status_lists_every_rank(lab):
     run = lab.run("%mpilab status")
     assert run.ok, run.text

@@ -53,6 +53,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         # a cell may have waited here behind a --noblock one: its records start now
         state.request = shell.kernel.get_parent().get("header", {}).get("msg_id", "")
         agent.emit("event", what="cell-start", cell=state.cell, msg=state.request)
+        agent.flush()  # at once: stopping a queued cell asks which ranks began it
 
     def post_run(result=None):
         state.phase = "idle"
