@@ -18,6 +18,9 @@ import psutil
 DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
+# local ranks: how often their processes are looked at (psutil reads /proc several times
+# a rank: on every relay tick that was most of what the notebook did while a cell ran)
+PROCESS_CHECK_S = 0.25
 MPIEXEC_REPORT_WAIT_S = 2.0
 UNKNOWN_CAUSE = "its process is gone"
 
@@ -98,6 +101,7 @@ class Watchdog:
         self._cells_before = {r: hb.get("cell", 0) for r, hb in dict(beats).items()}
         self.local_host = socket.gethostname()
         self._procs = {}
+        self._next_process_check = 0.0
         for info in cluster.ranks:
             if info["rank"] in ranks and info["host"] == self.local_host:
                 try:
@@ -109,9 +113,13 @@ class Watchdog:
         """A heartbeat sent while this cell runs (not a stale one from the last cell)."""
         return hb is not None and hb.get("cell", 0) > self._cells_before.get(hb["r"], -1)
 
-    def dead_ranks(self) -> dict[int, str]:
+    def dead_ranks(self, now: float) -> dict[int, str]:
         dead = {}
-        for rank, proc in self._procs.items():
+        if now < self._next_process_check:
+            procs = {}
+        else:
+            procs, self._next_process_check = self._procs, now + PROCESS_CHECK_S
+        for rank, proc in procs.items():
             try:
                 if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
                     continue
@@ -135,7 +143,7 @@ class Watchdog:
 
     def check(self, now: float, finished: dict[int, str]) -> Verdict | None:
         """finished: rank -> 'ok' | 'error' for the ranks whose cell has ended."""
-        dead = self.dead_ranks()
+        dead = self.dead_ranks(now)
         if dead:
             known = [r for r, cause in dead.items() if cause != UNKNOWN_CAUSE]
             if known:  # the others were ended by mpiexec's clean-up
