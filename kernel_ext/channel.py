@@ -393,10 +393,11 @@ class MetricsStore:
             return {r: now - t for r, t in self.last_seen.items()}
 
     def clear(self) -> None:
-        """Forget the metrics of the previous runs (heartbeats and LATEST_ONLY_EVENTS
-        stay)."""
+        """Forget the metrics of the previous runs. Heartbeats and events stay: they are
+        state (a running cell's window is read from its start and end events)."""
         with self._lock:
-            self._buffers.clear()
+            self._buffers = {key: buf for key, buf in self._buffers.items()
+                             if key[0] == "event"}
             self._tables.clear()
             self.version += 1
 

@@ -184,14 +184,17 @@ def test_store_add_raw_drops_and_counts_garbage():
     assert store.received == 1
 
 
-def test_store_clear_forgets_metrics_but_keeps_heartbeats():
+def test_store_clear_forgets_metrics_but_keeps_heartbeats_and_cell_marks():
     store = MetricsStore(world_size=2)
     store.add(dict(GOOD["hb"]))
     store.add(dict(GOOD["step"]))
+    store.add({"k": "event", "r": 1, "t": T0, "what": "cell-start", "msg": "m"})
     version = store.version
     store.clear()
     assert store.records("step") == [] and 0 in store.heartbeats
     assert store.version > version  # so widgets redraw
+    # `%mpilab metrics --clear` while a --noblock cell runs: its window stays
+    assert CellWindow(T0, {1: "m"}).bounds(store) == {1: (T0, float("inf"))}
 
 
 # -- exporters ----------------------------------------------------------------------------
