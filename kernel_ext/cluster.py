@@ -6,6 +6,7 @@ parse arguments and call this.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import shutil
@@ -53,6 +54,24 @@ class ClusterConfig:
             raise ClusterError(f"--hostfile {self.hostfile}: no such file")
         if self.timeout <= 0:
             raise ClusterError(f"--timeout must be positive, got {self.timeout}")
+        _check_controller_ip(self.controller_ip)
+
+
+def _check_controller_ip(ip: str) -> None:
+    """The controller and the record channel listen there: an address of this host."""
+    import psutil
+
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        raise ClusterError(f"--controller-ip {ip}: not an IP address; give this host's "
+                           "address on the network the ranks' hosts share") from None
+    local = {a.address.split("%")[0] for addresses in psutil.net_if_addrs().values()
+             for a in addresses}
+    if ip not in local:
+        ours = ", ".join(sorted(a for a in local if "." in a))
+        raise ClusterError(f"--controller-ip {ip}: not an address of this host (it has "
+                           f"{ours}); give one that the ranks' hosts reach")
 
 
 def find_mpiexec(explicit: str | None = None) -> str:

@@ -40,15 +40,33 @@ def test_hostfile_ranks_then_unload_and_kernel_shutdown_leave_nothing(tmp_path):
         pids = cluster_pids(kernel)
         assert kernel.run("%unload_ext mpilab", timeout=60).ok
         _assert_gone(pids)
-        # loaded again, started again, then the kernel itself goes away
+        # loaded again, started again on this host's network address (as for ranks on
+        # other hosts: the controller and the record channel listen there), then the
+        # kernel itself goes away
         assert kernel.run("%load_ext mpilab").ok
-        assert kernel.run("%mpilab start -n 2", timeout=180).ok
+        ip = _network_address()
+        assert kernel.run(f"%mpilab start -n 2 --controller-ip {ip}", timeout=180).ok
+        run = kernel.run("%%ranks\nfor step in range(3):\n    mpilab.log(step=step, loss=1.0)")
+        assert run.ok, run.text
+        address = kernel.run("from mpilab.session import Session\n"
+                             "print(Session.instance().cluster.receiver_address)").stdout
+        assert address.startswith(f"tcp://{ip}:"), address
+        assert "loss 1" in kernel.run("%mpilab dashboard").text  # the records arrived
         pids = cluster_pids(kernel)
     finally:
         kernel.shutdown()
     psutil.wait_procs([psutil.Process(p) for p in pids["engines"] if psutil.pid_exists(p)],
                       timeout=20)
     _assert_gone(pids)
+
+
+def _network_address() -> str:
+    """This host's first IPv4 address that is not loopback."""
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family == socket.AF_INET and not address.address.startswith("127."):
+                return address.address
+    raise AssertionError("this machine has no network address to test --controller-ip on")
 
 
 def test_batch_job_runs_notebook_cell_code_unchanged():

@@ -22,6 +22,8 @@ from conftest import cluster_pids
     ("%mpilab start -n x", "argument -n: invalid int value: 'x'"),
     ("%mpilab start --bogus", "unrecognized arguments: --bogus"),
     ("%mpilab frobnicate", "%mpilab needs a subcommand 'frobnicate'"),
+    ("%mpilab start --controller-ip 10.9.9.9", "--controller-ip 10.9.9.9: not an address of"),
+    ("%mpilab start --controller-ip nonsense", "--controller-ip nonsense: not an IP address"),
     ("%mpilab start --mpiexec /nonexistent/mpiexec",
      "--mpiexec /nonexistent/mpiexec: not an executable mpiexec"),
     ("%mpilab pull x", "no ranks are running"),
