@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .channel import MetricsStore, RecordReceiver
+from .rank.bootstrap import BootstrapError, gpu_spec
 from .rank.engine_main import KERNEL_PID_ENV
 
 LAUNCHERS = ("mpi", "slurm")
@@ -55,6 +56,10 @@ class ClusterConfig:
         if self.timeout <= 0:
             raise ClusterError(f"--timeout must be positive, got {self.timeout}")
         _check_controller_ip(self.controller_ip)
+        try:
+            gpu_spec(self.gpus)
+        except BootstrapError as e:
+            raise ClusterError(str(e)) from None
 
 
 def _check_controller_ip(ip: str) -> None:

@@ -96,7 +96,7 @@ class Session:
         return self.cluster.store
 
     def save_metrics(self, path: str) -> Path:
-        return self._store().save(path)
+        return _written(self._store().save, path)
 
     def clear_metrics(self) -> None:
         self._store().clear()
@@ -104,7 +104,7 @@ class Session:
     def save_trace(self, path: str) -> Path:
         if not path.endswith(".json"):
             raise ClusterError(f"{path}: a trace is saved as .json (Chrome trace format)")
-        return self._store().save_trace(path)
+        return _written(self._store().save_trace, path)
 
     def bench(self, op: str, sizes: str, backends: str) -> tuple[list[dict], float]:
         """Measure a collective on the running ranks: (rows, memcpy ceiling GB/s)."""
@@ -188,3 +188,11 @@ def _run_on_ranks(lines: list[str]) -> list[str]:
     if not first or first.startswith(_PASSTHROUGH):
         return lines
     return ["%%ranks\n", *lines]
+
+
+def _written(save, path: str) -> Path:
+    """save(path), with a file that cannot be written told in one line."""
+    try:
+        return save(path)
+    except OSError as e:
+        raise ClusterError(f"{path}: cannot write it ({e.strerror or e})") from None

@@ -22,6 +22,7 @@ from conftest import cluster_pids
     ("%mpilab start -n x", "argument -n: invalid int value: 'x'"),
     ("%mpilab start --bogus", "unrecognized arguments: --bogus"),
     ("%mpilab frobnicate", "%mpilab needs a subcommand 'frobnicate'"),
+    ("%mpilab start --gpus banana", "--gpus 'banana' is not auto, none or a list like 0,1"),
     ("%mpilab start --controller-ip 10.9.9.9", "--controller-ip 10.9.9.9: not an address of"),
     ("%mpilab start --controller-ip nonsense", "--controller-ip nonsense: not an IP address"),
     ("%mpilab start --mpiexec /nonexistent/mpiexec",
@@ -55,6 +56,19 @@ def test_engines_that_fail_to_start_show_their_output_and_leave_nothing(fresh_ke
     kernel_pid = fresh_kernel.km.provisioner.process.pid
     left = [p for p in psutil.Process(kernel_pid).children(recursive=True)]
     assert left == [] or all(p.pid in before for p in left), left
+
+
+def test_ranks_that_fail_their_bootstrap_say_why_in_one_line_and_leave_nothing(fresh_kernel):
+    """Real ranks asked for what they lack (nccl without GPUs) fail their bootstrap
+    together, at once, rather than hang in the rendezvous."""
+    kernel_pid = fresh_kernel.km.provisioner.process.pid
+    before = {p.pid for p in psutil.Process(kernel_pid).children(recursive=True)}
+    run = fresh_kernel.run("%mpilab start -n 2 --gpus none --backend nccl", timeout=120)
+    assert not run.ok
+    assert "backend nccl needs GPUs; use --backend gloo on CPU ranks" in run.text
+    _assert_one_line_error(run)
+    left = psutil.Process(kernel_pid).children(recursive=True)
+    assert all(p.pid in before for p in left), left
 
 
 # -- the running cluster -------------------------------------------------------------------
@@ -203,6 +217,10 @@ def test_push_pull_round_trip(lab):
     ("%mpilab metrics --save run.txt", "metrics are saved as .json or .csv"),
     ("%mpilab metrics", "give --save FILE.json|FILE.csv, --clear, or both"),
     ("%mpilab trace --save trace.csv", "a trace is saved as .json"),
+    ("%mpilab metrics --save /nonexistent/run.json",
+     "/nonexistent/run.json: cannot write it (No such file or directory)"),
+    ("%mpilab trace --save /nonexistent/trace.json",
+     "/nonexistent/trace.json: cannot write it (No such file or directory)"),
 ])
 def test_bad_input_with_cluster(lab, code, message):
     run = lab.run(code)

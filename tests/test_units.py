@@ -130,6 +130,10 @@ def test_parse_gpus_and_backend():
         parse_gpus("5", 4)
     with pytest.raises(BootstrapError, match="is not auto, none or a list"):
         parse_gpus("first", 4)
+    with pytest.raises(BootstrapError, match="is not auto, none or a list"):
+        parse_gpus("first", 0)  # a typo is one even where there are no GPUs
+    with pytest.raises(BootstrapError, match="names GPU 0 but this node has none"):
+        parse_gpus("0", 0)  # asked for by number: not silently the CPU
     assert choose_backend("auto", "cuda") == "nccl"
     assert choose_backend("auto", "cpu") == "gloo"
     with pytest.raises(BootstrapError, match="nccl needs GPUs"):

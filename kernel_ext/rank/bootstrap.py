@@ -65,22 +65,32 @@ def is_initialized() -> bool:
     return _context is not None
 
 
-def parse_gpus(gpus: str | None, available: int) -> list[int]:
-    """`auto` → every visible GPU, `none` → none, `0,2` → those."""
+def gpu_spec(gpus: str | None) -> list[int] | None:
+    """`auto` → None (whatever the node has), `none` → [], `0,2` → [0, 2]; checked before
+    the ranks start, so a typo is one line rather than a failed start."""
     spec = (gpus or "auto").strip().lower()
-    if spec == "none" or available == 0:
-        return []
     if spec == "auto":
-        return list(range(available))
+        return None
+    if spec == "none":
+        return []
     try:
         chosen = [int(x) for x in spec.split(",") if x.strip()]
     except ValueError:
-        raise BootstrapError(
-            f"--gpus {gpus!r} is not auto, none or a list like 0,1"
-        ) from None
-    bad = [g for g in chosen if not 0 <= g < available]
+        chosen = []
+    if not chosen or any(g < 0 for g in chosen):
+        raise BootstrapError(f"--gpus {gpus!r} is not auto, none or a list like 0,1")
+    return chosen
+
+
+def parse_gpus(gpus: str | None, available: int) -> list[int]:
+    """The GPUs of this node that `gpus` (see gpu_spec) names."""
+    chosen = gpu_spec(gpus)
+    if chosen is None:
+        return list(range(available))
+    bad = [g for g in chosen if g >= available]
     if bad:
-        raise BootstrapError(f"--gpus names GPU {bad[0]} but this node has {available}")
+        has = f"has {available}" if available else "has none: use --gpus auto or none"
+        raise BootstrapError(f"--gpus names GPU {bad[0]} but this node {has}")
     return chosen
 
 
