@@ -32,7 +32,9 @@ def cmd_lab(args) -> int:
     """JupyterLab with the extension loaded in every kernel and the quickstart open."""
     notebook = Path(args.notebook) if args.notebook else PACKAGE_NOTEBOOKS / "01_quickstart.ipynb"
     if not notebook.exists():
-        return _fail(f"{notebook}: no such notebook")
+        hint = (" (options for jupyter lab take their value after '=', as in --port=9999)"
+                if args.lab_args else "")
+        return _fail(f"{notebook}: no such notebook{hint}")
     env = {**os.environ, "IPYTHONDIR": str(kernel_ipython_dir())}
     cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={notebook.parent}",
            f"--LabApp.default_url=/lab/tree/{notebook.name}", *args.lab_args]
@@ -151,10 +153,13 @@ def cmd_bench(args) -> int:
         mpiexec = find_mpiexec(args.mpiexec)
     except ClusterError as e:
         return _fail(str(e))
-    from .rank.bench import parse_sizes
+    from .rank.bench import parse_backends, parse_sizes
 
+    if args.n < 1:
+        return _fail(f"-n must be a positive number of ranks, got {args.n}")
     try:
         parse_sizes(args.sizes)
+        parse_backends(args.backends)
     except ValueError as e:
         return _fail(str(e))
     code = ("import sys; from mpilab.cli import bench_on_ranks; "

@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+import pytest
 from conftest import cluster_pids
 from kernel import Kernel
 from mpirun import run_ranks
@@ -93,10 +94,18 @@ def test_doctor_reports_what_it_found():
     assert "mpiexec" in proc.stdout and "MPICH" in proc.stdout and "torch" in proc.stdout
 
 
-def test_run_missing_notebook_is_one_line():
-    proc = subprocess.run([MPILAB, "run", "nope.ipynb"], capture_output=True, text=True)
+@pytest.mark.parametrize("args, message", [
+    (["run", "nope.ipynb"], "nope.ipynb: no such notebook"),
+    (["bench", "allreduce", "-n", "0"], "-n must be a positive number of ranks, got 0"),
+    (["bench", "allreduce", "--backends", "foo"], "bench backend 'foo' is not one of"),
+    (["lab", "--port", "9999"], "9999: no such notebook (options for jupyter lab take their "
+                                "value after '=', as in --port=9999)"),
+])
+def test_cli_bad_input_is_one_line(args, message):
+    proc = subprocess.run([MPILAB, *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "mpilab: nope.ipynb: no such notebook"
+    assert proc.stderr.strip().startswith(f"mpilab: {message}"), proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout
 
 
 def test_mpilab_lab_serves_the_examples(tmp_path):
