@@ -366,6 +366,8 @@ def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(lab):
 
 
 def test_status_lists_every_rank(lab):
+    # right after a cell (its last heartbeat said "running"), the ranks show idle
+    assert lab.run("%%ranks\nimport time\ntime.sleep(0.7)").ok
     run = lab.run("%mpilab status")
     assert run.ok, run.text
     lines = run.text.strip().splitlines()

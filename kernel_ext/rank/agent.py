@@ -144,6 +144,12 @@ class Agent:
         fields.setdefault("t", time.time())
         self._queue.append(fields)  # sent within SEND_INTERVAL_S by the agent thread
 
+    def beat(self) -> None:
+        """Queue a heartbeat now (the thread sends one every HEARTBEAT_INTERVAL_S): for a
+        change of state the notebook should see at once."""
+        if self.address is not None:
+            self._queue.append(self.heartbeat())
+
     def heartbeat(self) -> dict:
         st = self.state
         now = time.time()

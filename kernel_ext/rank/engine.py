@@ -57,7 +57,9 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
 
     def post_run(result=None):
         state.phase = "idle"
-        # the notebook waits for this marker, so a cell's last records make its plots
+        # the notebook waits for this marker, so a cell's last records make its plots,
+        # and `%mpilab status` right after shows the rank idle
+        agent.beat()
         agent.emit("event", what="cell-end", cell=state.cell, msg=state.request)
         agent.flush()
 
