@@ -28,7 +28,6 @@ ABORT_SETTLE_S = 0.3  # a rank may begin a cell just as it is taken off the queu
 OUTPUT_TRAIL_S = 5.0
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
 
-NOT_RUN = "not run"  # a rank's answer when it dropped the cell from its queue
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
@@ -203,6 +202,9 @@ class CellOutcome:
     notes: list[str] = field(default_factory=list)  # the watchdog's explanation
     released: list[int] = field(default_factory=list)  # ranks it interrupted
     dropped: list[int] = field(default_factory=list)  # ranks it took the cell from, unbegun
+    # ranks that dropped the cell themselves: ipykernel drops what is queued behind a
+    # cell that failed (a --noblock one)
+    not_run: list[int] = field(default_factory=list)
     dead: dict[int, str] = field(default_factory=dict)
     restarted: bool = False
 
@@ -409,7 +411,8 @@ class CellRunner:
             if isinstance(result, list):  # a one-engine view still answers with a list
                 result = result[0]
             if isinstance(result, TaskAborted):
-                outcome.errors[r] = NOT_RUN
+                if r not in outcome.dropped:
+                    outcome.not_run.append(r)
             elif isinstance(result, BaseException):
                 outcome.errors[r] = _error_text(result)
             elif result.metadata.get("execute_result"):
@@ -422,23 +425,22 @@ class CellRunner:
             label = f"Out[{rank_label(ranks)}]: " if multi else ""
             data["text/plain"] = label + data.get("text/plain", "")
             _display_bundle(data)
-        if not outcome.errors and not outcome.notes:
+        if not outcome.errors and not outcome.notes and not outcome.not_run:
             return
         lines = []
         if outcome.timed_out:
             lines.append(f"mpilab: the cell did not finish within {options.timeout:g} s; "
                          "its ranks were interrupted")
+        if outcome.not_run:
+            lines.append(f"[{rank_label(outcome.not_run)}] did not run the cell: the cell "
+                         "before it there failed, and the ranks drop the cells queued behind "
+                         "a failed one; run it again")
         errors = {r: e for r, e in outcome.errors.items()
                   if r not in outcome.released and r not in outcome.dropped}
         for ranks in _group(errors):
             text = errors[ranks[0]]
             if text == "still running":
                 continue  # explained by the notes
-            if text == NOT_RUN:
-                lines.append(f"[{rank_label(ranks)}] did not run the cell: the cell before it "
-                             "there failed, and the ranks drop the cells queued behind a "
-                             "failed one; run it again")
-                continue
             if _is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1]:
                 lines.extend(f"[rank {r}] interrupted" for r in ranks)
             else:

@@ -115,17 +115,15 @@ class Watchdog:
 
     def dead_ranks(self, now: float) -> dict[int, str]:
         dead = {}
-        if now < self._next_process_check:
-            procs = {}
-        else:
-            procs, self._next_process_check = self._procs, now + PROCESS_CHECK_S
-        for rank, proc in procs.items():
-            try:
-                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                    continue
-            except psutil.Error:
-                pass
-            dead[rank] = self._cause(proc.pid)
+        if now >= self._next_process_check:
+            self._next_process_check = now + PROCESS_CHECK_S
+            for rank, proc in self._procs.items():
+                try:
+                    if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                        continue
+                except psutil.Error:
+                    pass
+                dead[rank] = self._cause(proc.pid)
         ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
         for rank in self.ranks:
             if rank not in self._procs and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
