@@ -163,6 +163,15 @@ class _Rows:
 Bounds = dict[int, tuple[float, float]]  # rank -> (from, until), epoch s: one run's records
 
 
+@dataclass(frozen=True)
+class CellMarks:
+    """One cell on one rank, from its cell-start and cell-end events."""
+
+    start: float
+    end: float  # inf while it runs
+    number: int  # the rank's count of cells: its heartbeats carry it
+
+
 @dataclass
 class CellWindow:
     """Which records are one cell's. A cell may wait on the ranks behind a --noblock one,
@@ -171,16 +180,23 @@ class CellWindow:
 
     since: float  # epoch s: when the cell was run (it begins on the ranks later)
     msg_ids: dict[int, str] | None = None  # rank -> the cell's execute request there
-    _bounds: Bounds = field(default_factory=dict)
+    _marks: dict[int, CellMarks] = field(default_factory=dict)
 
     def bounds(self, store: MetricsStore) -> Bounds:
         """The ranks whose records count now, and from when until when."""
         if self.msg_ids is None:
             return {r: (self.since, math.inf) for r in range(store.world_size)}
-        if len(self._bounds) < len(self.msg_ids) or any(
-                end == math.inf for _, end in self._bounds.values()):
-            self._bounds = store.cell_bounds(self.msg_ids, self.since)  # until it ends
-        return self._bounds
+        return {r: (m.start, m.end) for r, m in self._read(store).items()}
+
+    def numbers(self, store: MetricsStore) -> dict[int, int]:
+        """rank -> the cell's number there (its heartbeats carry it), once begun there."""
+        return {r: m.number for r, m in self._read(store).items()}
+
+    def _read(self, store: MetricsStore) -> dict[int, CellMarks]:
+        if len(self._marks) < len(self.msg_ids or ()) or any(
+                m.end == math.inf for m in self._marks.values()):
+            self._marks = store.cell_marks(self.msg_ids or {}, self.since)  # until it ends
+        return self._marks
 
     def started(self, store: MetricsStore) -> float | None:
         """When the first rank began the cell (epoch s), once one has."""
@@ -374,18 +390,19 @@ class MetricsStore:
                        for kind in kinds for (rank, _), rows in self._tables.get(kind, {}).items()
                        if rank in window)
 
-    def cell_bounds(self, msg_ids: dict[int, str], since: float) -> Bounds:
-        """rank -> (start, end) of the cell each rank ran for the execute request `msg_ids`
-        names, for the ranks that have begun it (end is inf while it runs); `since`: when
-        it was run."""
-        bounds = {}
+    def cell_marks(self, msg_ids: dict[int, str], since: float) -> dict[int, CellMarks]:
+        """The cell each rank ran for the execute request `msg_ids` names, for the ranks
+        that have begun it; `since`: when it was run."""
+        marks = {}
         with self._lock:
             for rank, msg_id in msg_ids.items():
                 events = _newer_than(self._buffers.get(("event", rank)), since - CLOCK_SKEW_S)
-                marks = {e["what"]: e["t"] for e in events if e.get("msg") == msg_id}
-                if "cell-start" in marks:
-                    bounds[rank] = (marks["cell-start"], marks.get("cell-end", math.inf))
-        return bounds
+                mine = {e["what"]: e for e in events if e.get("msg") == msg_id}
+                start, end = mine.get("cell-start"), mine.get("cell-end")
+                if start is not None:
+                    marks[rank] = CellMarks(start["t"], math.inf if end is None else end["t"],
+                                            int(start.get("cell", 0)))
+        return marks
 
     def heartbeat_ages(self) -> dict[int, float]:
         now = time.monotonic()

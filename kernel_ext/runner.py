@@ -290,7 +290,7 @@ class CellRunner:
             views.tick()
 
         singles = dict(zip(ranks, ar.split()))
-        watchdog = Watchdog(self.cluster, ranks, options.hang_timeout)
+        watchdog = Watchdog(self.cluster, ranks, options.hang_timeout, views.cell)
         try:
             while not ar.wait(TICK_S):
                 pump()

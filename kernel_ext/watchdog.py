@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from .channel import CellWindow
+
 DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
@@ -91,14 +93,14 @@ def death_cause(pid: int, launcher_output: str) -> str:
 class Watchdog:
     """One per running cell; `check()` is called on every relay tick."""
 
-    def __init__(self, cluster, ranks: list[int], hang_timeout: float):
+    def __init__(self, cluster, ranks: list[int], hang_timeout: float, cell: CellWindow):
         self.cluster = cluster
         self.ranks = ranks
         self.hang_timeout = hang_timeout
+        self.cell = cell
+        self._numbers: dict[int, int] = {}  # rank -> this cell's number there, once begun
         self.first_failure: float | None = None
         self._on_line: dict[int, tuple[str, float]] = {}  # rank -> (direct call, seen since)
-        beats = cluster.store.heartbeats if cluster.store else {}
-        self._cells_before = {r: hb.get("cell", 0) for r, hb in dict(beats).items()}
         self.local_host = socket.gethostname()
         self._procs = {}
         self._next_process_check = 0.0
@@ -110,8 +112,9 @@ class Watchdog:
                     pass
 
     def _this_cell(self, hb: dict | None) -> bool:
-        """A heartbeat sent while this cell runs (not a stale one from the last cell)."""
-        return hb is not None and hb.get("cell", 0) > self._cells_before.get(hb["r"], -1)
+        """A heartbeat sent while this cell runs: not a stale one from the cell before,
+        nor one of a --noblock cell this one waits behind."""
+        return hb is not None and hb.get("cell") == self._numbers.get(hb["r"])
 
     def dead_ranks(self, now: float) -> dict[int, str]:
         dead = {}
@@ -155,7 +158,9 @@ class Watchdog:
         running = [r for r in self.ranks if r not in finished]
         if not running:
             return None
-        heartbeats = dict(self.cluster.store.heartbeats) if self.cluster.store else {}
+        store = self.cluster.store
+        heartbeats = dict(store.heartbeats) if store else {}
+        self._numbers = self.cell.numbers(store) if store else {}
         waiting = {r: heartbeats.get(r) for r in running}
         mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
                                   if r in self.ranks and self._this_cell(hb)})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from mpilab.channel import MetricsStore
+from mpilab.channel import CellWindow, MetricsStore
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
@@ -187,6 +187,14 @@ class _QuietCluster:
         self.store = MetricsStore(world_size=2)
         self.ranks = []
 
+    def start_cell(self, number: int, t: float = 0.0) -> CellWindow:
+        """Both ranks begin their cell `number`: the window the runner gives the watchdog."""
+        msg_ids = {r: f"request-{number}-{r}" for r in range(2)}
+        for r, msg_id in msg_ids.items():
+            self.store.add({"k": "event", "r": r, "t": t, "what": "cell-start",
+                            "cell": number, "msg": msg_id})
+        return CellWindow(since=t, msg_ids=msg_ids)
+
     def beat(self, rank: int, t: float, phase: str, where: str = "", cell: int = 1,
              op: str = "", op_age: float = 0.0) -> None:
         self.store.add({"k": "hb", "r": rank, "t": t, "pid": 1, "host": "h", "phase": phase,
@@ -201,16 +209,33 @@ def test_a_collective_of_an_earlier_cell_is_no_hang_of_this_one(monkeypatch):
     # released from allreduce #7 after 3.1 s in cell 1; cell 2 starts before its first beat
     cluster.beat(0, now - 0.1, "collective", cell=1, op="allreduce", op_age=3.1)
     cluster.beat(1, now - 0.1, "idle", cell=1)
-    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0)
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0, cell=cluster.start_cell(2, now))
     assert watchdog.check(now, {}) is None
     cluster.beat(0, now, "collective", cell=2, op="allreduce", op_age=3.2)  # this cell's
     assert watchdog.check(now, {}).lines[0] == "hang: rank 0 was waiting in allreduce #7 " \
         "for 3.2 s"
 
 
+def test_a_noblock_cell_ahead_in_the_queue_is_not_watched_as_this_one(monkeypatch):
+    """Run right after a --noblock cell, before that cell's first heartbeat: the heartbeats
+    that come next are the --noblock cell's, not this one's, until the ranks begin it."""
+    cluster = _QuietCluster()
+    now = 1000.0
+    monkeypatch.setattr("time.time", lambda: now)
+    cluster.beat(0, now - 1, "idle", cell=1)
+    cluster.beat(1, now - 1, "idle", cell=1)
+    cluster.start_cell(2, now - 0.2)  # the --noblock cell
+    queued = CellWindow(since=now, msg_ids={0: "queued-0", 1: "queued-1"})
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0, cell=queued)
+    cluster.beat(0, now, "collective", cell=2, op="allreduce", op_age=40.0)
+    cluster.beat(1, now, "collective", cell=2, op="broadcast", op_age=40.0)
+    assert watchdog.check(now, {}) is None
+
+
 def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
     cluster = _QuietCluster()
-    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0)
+    cell = cluster.start_cell(1)
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0, cell=cell)
     allreduce = "cell line 5: comm.Allreduce(MPI.IN_PLACE, x)"
     cluster.beat(0, 0.0, "running", allreduce)
     cluster.beat(1, 0.0, "running", "cell line 2: y = model(x)")
@@ -228,5 +253,5 @@ def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
                              "finished the cell without joining it"]
     # a long computation on one rank is no hang, however long
     cluster.beat(0, 20.0, "running", "cell line 3: evaluate(model)")
-    assert Watchdog(cluster, [0, 1], hang_timeout=3.0).check(100.0, {1: "ok"}) is None
+    assert Watchdog(cluster, [0, 1], 3.0, cell).check(100.0, {1: "ok"}) is None
 
