@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import pickle
-import threading
 import time
 
 import msgpack
@@ -463,41 +462,4 @@ def test_receiver_tells_listeners_once_per_round_of_batches():
         assert rounds == [10]
     finally:
         push.close(linger=0)
-        receiver.close()
-
-
-def test_a_training_thread_sends_its_own_records_and_the_agent_sends_what_is_left(monkeypatch):
-    """Past the send tick, the thread that emits sends the queue itself (waking the agent
-    thread would make it hand over the GIL); once the loop stops, the agent thread sends
-    its last records. Nothing is lost and the order holds."""
-    from mpilab.rank import agent as agent_mod
-
-    senders = []
-    real_encode = agent_mod.encode
-
-    def encode(rank, records):
-        if any(record["k"] == "log" for record in records):
-            senders.append(threading.current_thread().name)
-        return real_encode(rank, records)
-
-    monkeypatch.setattr(agent_mod, "encode", encode)
-    store = MetricsStore(world_size=1)
-    receiver = RecordReceiver(store)
-    agent = agent_mod.Agent(rank=0, world_size=1, address=receiver.address)
-    agent.start()
-    try:
-        wait_for(lambda: store.heartbeat_ages())
-        deadline = time.time() + 3 * agent_mod.SEND_INTERVAL_S
-        step = 0
-        while time.time() < deadline:  # a fast training loop: a record every ms
-            step += 1
-            agent.emit("log", step=step, values={"loss": 1.0 / step})
-            time.sleep(0.001)
-        agent.emit("log", step=step + 1, values={"loss": 0.0})  # then the rank goes idle
-        wait_for(lambda: len(store.records("log", 0)) == step + 1)
-        assert [record["step"] for record in store.records("log", 0)] == list(range(1, step + 2))
-        assert "MainThread" in senders
-        assert senders[-1] == "mpilab-agent"
-    finally:
-        agent.stop()
         receiver.close()

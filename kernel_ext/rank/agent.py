@@ -1,15 +1,9 @@
 """The rank's side of the record channel: state, heartbeats, metrics and spans.
 
 Runs on every rank. Records are plain dicts packed with msgpack and PUSHed to the
-notebook kernel's PULL socket, without blocking: a full socket drops them. Without a
-notebook (a batch job), records are simply not sent.
-
-While training, the thread that emits a record past the send tick sends the queue
-itself, in the ~0.2 ms the packing takes. Leaving that to a background thread costs
-more than the work: waking it makes the training thread hand the GIL over and wait to
-get it back, on cores that are all busy, and that cost the training ~2% where sending
-inline costs ~0.2% (benchmarks/bench_overhead.py). The agent thread sends what an idle
-rank leaves (a record just before the loop ended, heartbeats) shortly after the tick.
+notebook kernel's PULL socket by one background thread, so the training thread
+never blocks on the network and never touches a ZMQ socket (they are not
+thread-safe). Without a notebook (a batch job), records are simply not sent.
 
 The per-step kinds (steps, spans, logged scalars: several a step) travel as tables:
 that thread turns each kind's records into rows of float64 numbers, one binary block
@@ -38,9 +32,6 @@ HEARTBEAT_INTERVAL_S = 0.5
 # them, as they arrive. A record reaches the notebook within this; each send wakes this
 # process, its ZMQ thread and the notebook kernel, on cores the training shares.
 SEND_INTERVAL_S = 0.25
-# after a tick, how long the agent thread leaves the sending to a training thread that
-# is still emitting records (one step of a fast loop) before sending itself
-SEND_GRACE_S = 0.02
 BATCH_RECORDS = 100  # records per message (well under the receiver's size limit)
 BATCH_BYTES = 128 * 1024  # and bytes of rows
 MAX_QUEUED_RECORDS = 50_000
@@ -141,11 +132,6 @@ class Agent:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # the PUSH socket (ZMQ sockets are not thread-safe: whoever sends holds the lock)
-        self._lock = threading.Lock()
-        self._sock = None
-        self._due = math.inf  # the next send tick (epoch s); none until the socket exists
-        self._flush_asked = False
         self.device_memory = lambda: 0
 
     # -- records -----------------------------------------------------------------
@@ -153,18 +139,10 @@ class Agent:
         """Queue one record; cheap, never blocks, drops the oldest when full."""
         if self.address is None:
             return
-        now = time.time()
         fields["k"] = kind
         fields["r"] = self.rank
-        fields.setdefault("t", now)
-        self._queue.append(fields)
-        # past the tick, this thread sends, unless another one is sending right now
-        if now >= self._due and self._lock.acquire(blocking=False):
-            try:
-                if now >= self._due:
-                    self._send_queued(now)
-            finally:
-                self._lock.release()
+        fields.setdefault("t", time.time())
+        self._queue.append(fields)  # sent within SEND_INTERVAL_S by the agent thread
 
     def beat(self) -> None:
         """Queue a heartbeat now (the thread sends one every HEARTBEAT_INTERVAL_S): for a
@@ -238,63 +216,49 @@ class Agent:
             self._thread = None
 
     def flush(self) -> None:
-        """Send what is queued now rather than at the next tick (a cell's start and end:
-        the notebook waits for them)."""
-        if self._thread is None:
-            return
-        self._flush_asked = True
+        """Ask the thread to send what is queued now rather than at the next tick."""
         self._wake.set()
-
-    def _send_queued(self, now: float) -> None:
-        """Send the queue and move the tick on; the caller holds the lock."""
-        import zmq
-
-        self._due = next_send_time(now)
-        while self._queue and self._sock is not None:
-            # one message per batch: each message costs wake-ups and system calls in
-            # this process, the ZMQ thread and the notebook kernel
-            taken = [self._queue.popleft() for _ in range(min(TAKEN_RECORDS, len(self._queue)))]
-            try:
-                for message in encode(self.rank, taken):
-                    self._sock.send(message, zmq.NOBLOCK)
-            except zmq.Again:
-                return  # the notebook is not reading: drop rather than block
 
     def _run(self) -> None:
         import zmq
 
-        sock = zmq.Context.instance().socket(zmq.PUSH)
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 500)
         sock.setsockopt(zmq.SNDHWM, 10_000)
         sock.connect(self.address)
-        with self._lock:
-            self._sock = sock
-            self._due = time.time()
         next_beat = 0.0
+        next_send = 0.0
         try:
             while not self._stop.is_set():
-                now = time.time()
-                with self._lock:
-                    if now >= next_beat:
-                        self._queue.append(self.heartbeat())
-                        # due again at the send tick nearest to one interval from now
-                        next_beat = now + HEARTBEAT_INTERVAL_S - SEND_INTERVAL_S / 2
-                    # no training thread sent at this tick (or a flush was asked): send;
-                    # the ticks stay where they were
-                    if self._flush_asked or now >= self._due + SEND_GRACE_S:
-                        self._flush_asked = False
-                        self._send_queued(now)
-                self._wake.wait(max(0.0, self._due + SEND_GRACE_S - time.time()))
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._queue.append(self.heartbeat())
+                    # due again at the send tick nearest to one interval from now
+                    next_beat = now + HEARTBEAT_INTERVAL_S - SEND_INTERVAL_S / 2
+                while self._queue:
+                    # one message per batch: each message costs wake-ups and system
+                    # calls in this process, the ZMQ thread and the notebook kernel
+                    taken = [self._queue.popleft()
+                             for _ in range(min(TAKEN_RECORDS, len(self._queue)))]
+                    try:
+                        for message in encode(self.rank, taken):
+                            sock.send(message, zmq.NOBLOCK)
+                    except zmq.Again:
+                        break  # the notebook is not reading: drop rather than block
+                # no wake-up per record: the training thread never waits on this one;
+                # flush() sends at once, and the ticks stay where they were
+                if time.time() >= next_send:
+                    next_send = next_send_time(time.time())
+                self._wake.wait(max(0.0, next_send - time.time()))
                 self._wake.clear()
         finally:
-            with self._lock:
-                self._sock, self._due = None, math.inf
             sock.close()
 
 
 def encode(rank: int, records: list[dict]) -> list[bytes]:
     """A rank's records as the messages it sends: blocks of rows, then the rest."""
-    import msgpack  # when a rank first sends: importing mpilab.rank stays cheap
+    import msgpack  # on the agent's thread: importing mpilab.rank stays cheap
 
     pack = msgpack.Packer(use_bin_type=True).pack
     messages = []
