@@ -189,7 +189,8 @@ class CellWindow:
         return {r: (m.start, m.end) for r, m in self._read(store).items()}
 
     def numbers(self, store: MetricsStore) -> dict[int, int]:
-        """rank -> the cell's number there (its heartbeats carry it), once begun there."""
+        """rank -> the cell's number there (its heartbeats carry it), once begun there;
+        none without `msg_ids`, as the numbers come from the ranks' cell-start events."""
         return {r: m.number for r, m in self._read(store).items()}
 
     def _read(self, store: MetricsStore) -> dict[int, CellMarks]:
