@@ -21,7 +21,13 @@ repetitions: "watched" (records and the dashboard), "records only" (the cell run
 --no-dashboard: what the record channel alone costs) and "unwatched" (the agent's
 records paused, heartbeats stay because the watchdog needs them, and --no-dashboard).
 
-    .venv/bin/python benchmarks/bench_overhead.py [--reps 12] [--steps 600] [--phase-cells 4]
+`-n 2` (the default) fills this machine's two cores with ranks, so every millisecond
+the notebook spends is taken from a rank. `-n 1 --threads 1` leaves the notebook a core
+of its own, as ranks on a GPU node leave cores idle while they wait on their GPUs (the
+bootstrap gives a rank cores / local ranks torch threads: one rank alone fills both).
+
+    .venv/bin/python benchmarks/bench_overhead.py [-n 2] [--threads K] [--reps 12]
+        [--steps 600] [--phase-cells 4]
 """
 
 from __future__ import annotations
@@ -113,7 +119,7 @@ def samples_per_s(kernel: Kernel, steps: int, mode: str) -> tuple[float, float, 
     flags = "" if dashboard else " --no-dashboard"
     kernel_proc = psutil.Process(kernel.km.provisioner.process.pid)
     cpu_before = sum(kernel_proc.cpu_times()[:2])
-    run = kernel.run(f"%%ranks 0-1{flags}\nrate = train({steps}, {records})\nprint(round(rate))"
+    run = kernel.run(f"%%ranks{flags}\nrate = train({steps}, {records})\nprint(round(rate))"
                      "\nimport json\nprint('ends', json.dumps(ends))", timeout=600)
     cpu = sum(kernel_proc.cpu_times()[:2]) - cpu_before
     if not run.ok:
@@ -148,7 +154,7 @@ PHASES, PHASE_STEPS, UNTIMED_STEPS = 32, 160, 40  # ~1 min a cell
 
 def phase_groups(kernel: Kernel, phase_rates: dict[bool, list[float]]) -> list[float]:
     """One in-one-cell run: the cost of each ABBA group of phases (1 - on / off)."""
-    run = kernel.run(f"%%ranks 0-1\nimport json\n"
+    run = kernel.run(f"%%ranks\nimport json\n"
                      f"print(json.dumps(train_phases({PHASES}, {PHASE_STEPS}, {UNTIMED_STEPS})))",
                      timeout=600)
     if not run.ok:
@@ -183,12 +189,17 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=12)  # a multiple of the 3 modes
     parser.add_argument("--steps", type=int, default=600)  # a cell of ~5 s: training-like
     parser.add_argument("--phase-cells", type=int, default=4)  # in-one-cell runs, ~1 min each
+    parser.add_argument("-n", "--ranks", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per rank (default: the bootstrap's)")
     args = parser.parse_args()
     kernel = Kernel()
     try:
         assert kernel.run("%load_ext mpilab").ok
-        assert kernel.run("%mpilab start -n 2", timeout=300).ok
+        assert kernel.run(f"%mpilab start -n {args.ranks}", timeout=300).ok
         assert kernel.run(SETUP).ok
+        if args.threads:
+            assert kernel.run(f"%%ranks\ntorch.set_num_threads({args.threads})").ok
         assert kernel.run(LATENCY_PROBE).ok
         samples_per_s(kernel, 10, "watched")  # warm-up
         rates: dict[str, list[float]] = {mode: [] for mode in MODES}
@@ -225,7 +236,7 @@ def main() -> None:
               f"of medians; target <= 2%: {'met' if cost <= 0.02 else 'missed'}"
               f"{'' if high <= 0.02 else ' (the interval reaches past 2%)'}")
     off = statistics.median(rates["unwatched"])
-    print(f"DataParallel MLP (1.05M parameters), 2 ranks, {args.steps} steps, "
+    print(f"DataParallel MLP (1.05M parameters), {args.ranks} ranks, {args.steps} steps, "
           f"{args.reps} alternating repetitions")
     for mode in MODES:
         rate = statistics.median(rates[mode])
