@@ -41,6 +41,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         device=ctx.device, comm=ctx.comm, dist=dist, mpilab=mpilab,
     )
     shell.set_custom_exc((BaseException,), _clean_traceback)
+    shell.showsyntaxerror = _syntax_error_shower(shell)
     agent = agent_mod.current()
     state = agent.state
 
@@ -101,8 +102,27 @@ def format_clean_traceback(shell, etype, value, tb) -> list[str]:
         source = (f.line or linecache.getline(f.filename, f.lineno)).strip()
         if source:
             lines.append(f"    {source}")
-    lines.extend(s.rstrip("\n") for s in traceback.format_exception_only(etype, value))
+    cell_file = getattr(value, "filename", None) if isinstance(value, SyntaxError) else None
+    for line in traceback.format_exception_only(etype, value):
+        if cell_file:  # a syntax error names the file it is in, as the frames do
+            line = line.replace(f'File "{cell_file}"', _frame_label(shell, cell_file))
+        lines.append(line.rstrip("\n"))
     return ["\n".join(lines)]
+
+
+def _syntax_error_shower(shell):
+    """IPython shows a cell's syntax error (raised before the cell runs, so not through
+    the custom handler) with the engine's temporary file name, which differs on every
+    rank: the same typo then showed once per rank instead of once, naming the ranks."""
+
+    def showsyntaxerror(filename=None, running_compiled_code=False):
+        etype, value, tb = shell._get_exc_info()
+        if filename and issubclass(etype, SyntaxError):
+            value.filename = filename
+        stb = format_clean_traceback(shell, etype, value, tb if running_compiled_code else None)
+        shell._showtraceback(etype, value, stb)
+
+    return showsyntaxerror
 
 
 def _clean_traceback(shell, etype, value, tb, tb_offset=None):
