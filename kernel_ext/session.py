@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
-from .runner import CellRunner, RunOptions, parse_ranks
+from .runner import CellRunner, RunOptions, parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
@@ -74,10 +74,8 @@ class Session:
         engines = self.cluster.engines(ranks)
         try:
             values = client[engines].pull(name, block=True)
-        except Exception:  # noqa: BLE001 - the ranks' NameError, as one line
-            raise ClusterError(
-                f"pull: {name!r} is not defined on {_ranks_word(ranks)}"
-            ) from None
+        except Exception as e:  # noqa: BLE001 - the ranks' errors, as one line
+            raise ClusterError(_pull_failure(name, dict(zip(engines, ranks)), e)) from None
         return values[0] if rank is not None else values
 
     def set_auto(self, shell, on: bool) -> None:
@@ -178,8 +176,21 @@ class Session:
         display(table)
 
 
-def _ranks_word(ranks: list[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "the ranks"
+def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -> str:
+    """What went wrong on which ranks: a name defined by a cell run on some ranks only
+    is missing on the others, which the user fixes with --rank."""
+    failures = {rank_of_engine[info["engine_id"]]: (ename, evalue)
+                for ename, evalue, _, info in getattr(error, "elist", [])
+                if info.get("engine_id") in rank_of_engine}
+    if not failures:  # not the ranks' own errors (an engine gone): what ipyparallel said
+        return f"pull: {name!r}: {error}"
+    failed = sorted(failures)
+    if any(ename != "NameError" for ename, _ in failures.values()):
+        ename, evalue = failures[failed[0]]
+        return f"pull: {name!r} could not be fetched from {rank_label(failed)}: {ename}: {evalue}"
+    have = sorted(set(rank_of_engine.values()) - set(failed))
+    hint = f"; it is on {rank_label(have)}: add --rank {have[0]}" if have else ""
+    return f"pull: {name!r} is not defined on {rank_label(failed)}{hint}"
 
 
 def _run_on_ranks(lines: list[str]) -> list[str]:

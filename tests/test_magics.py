@@ -157,6 +157,16 @@ def test_same_error_on_all_ranks_shown_once(lab):
     assert run.error_text.count("ZeroDivisionError") == 1
 
 
+def test_syntax_error_shown_once_as_the_cell(lab):
+    run = lab.run("%%ranks\ndef f(:\n    pass")
+    assert not run.ok
+    err = run.error_text
+    assert "[ranks 0-1] failed:" in err, err
+    assert err.count("SyntaxError") == 1, err
+    assert "Cell In[" in err and "ipykernel_" not in err, err
+    assert "def f(:" in err
+
+
 def test_timeout_stops_waiting_and_cluster_stays_usable(lab):
     start = time.monotonic()
     run = lab.run("%%ranks --timeout 1\nimport time\ntime.sleep(60)", timeout=30)
@@ -204,9 +214,22 @@ def test_push_pull_round_trip(lab):
     assert expected in run.stdout
 
 
+def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(lab):
+    assert lab.run("%%ranks 1\nonly_on_1 = 42").ok
+    run = lab.run("%mpilab pull only_on_1")
+    assert "pull: 'only_on_1' is not defined on rank 0; it is on rank 1: add --rank 1" \
+        in run.text, run.text
+    _assert_one_line_error(run)
+    run = lab.run("%%ranks\nimport threading\nlock = threading.Lock()")
+    assert run.ok, run.text
+    run = lab.run("%mpilab pull lock --rank 0")
+    assert "pull: 'lock' could not be fetched from rank 0: TypeError" in run.text, run.text
+    _assert_one_line_error(run)
+
+
 @pytest.mark.parametrize("code, message", [
     ("%mpilab push nope", "push: no variable named 'nope' in the notebook"),
-    ("%mpilab pull nope", "pull: 'nope' is not defined on the ranks"),
+    ("%mpilab pull nope", "pull: 'nope' is not defined on ranks 0-1"),
     ("%mpilab pull w2 --rank 7", "rank 7 does not exist"),
     ("%mpilab auto maybe", "%mpilab auto takes on or off"),
     ("%%ranks --timeout -1\n1", "--timeout must be a positive number of seconds"),
