@@ -179,9 +179,9 @@ class Session:
 def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -> str:
     """What went wrong on which ranks: a name defined by a cell run on some ranks only
     is missing on the others, which the user fixes with --rank."""
-    failures = {rank_of_engine[info["engine_id"]]: (ename, evalue)
+    failures = {rank_of_engine[engine]: (ename, evalue)
                 for ename, evalue, _, info in getattr(error, "elist", [])
-                if info.get("engine_id") in rank_of_engine}
+                if (engine := (info or {}).get("engine_id")) in rank_of_engine}
     if not failures:  # not the ranks' own errors (an engine gone): what ipyparallel said
         return f"pull: {name!r}: {error}"
     failed = sorted(failures)
