@@ -189,7 +189,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=12)  # a multiple of the 3 modes
     parser.add_argument("--steps", type=int, default=600)  # a cell of ~5 s: training-like
     parser.add_argument("--phase-cells", type=int, default=4)  # in-one-cell runs, ~1 min each
-    parser.add_argument("-n", "--ranks", type=int, default=2)
+    parser.add_argument("-n", "--ranks", type=int, default=2, help="ranks to start")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per rank (default: the bootstrap's)")
     args = parser.parse_args()

@@ -183,7 +183,8 @@ def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -
                 for ename, evalue, _, info in getattr(error, "elist", [])
                 if (engine := (info or {}).get("engine_id")) in rank_of_engine}
     if not failures:  # not the ranks' own errors (an engine gone): what ipyparallel said
-        return f"pull: {name!r}: {error}"
+        said = str(error).strip().splitlines()
+        return f"pull: {name!r}: {said[0] if said else type(error).__name__}"
     failed = sorted(failures)
     if any(ename != "NameError" for ename, _ in failures.values()):
         ename, evalue = failures[failed[0]]
