@@ -33,6 +33,9 @@ class RankContext:
     comm: Any  # mpi4py COMM_WORLD, for the user
     node_comm: Any  # ranks sharing this node (COMM_TYPE_SHARED)
     torch_threads: int
+    endpoint: Endpoint | None = None  # where this rank listens for its peers
+    store: Any = None  # torch.distributed's TCPStore of the default group (None: not ours)
+    store_address: tuple[str, int] | None = None  # (address, port) of that store
 
     def summary(self) -> dict:
         """Plain data for the notebook's start line and status table."""
@@ -143,8 +146,13 @@ def init(
     threads = max(1, cores // local_size)
     torch.set_num_threads(threads)
 
+    notebook = agent_address or os.environ.get("MPILAB_AGENT")
+    endpoint = shared_endpoint(local_size, world_size, notebook)
+    _pin_transports(endpoint)
+    store, store_address = None, None
     if not dist.is_initialized():
-        _init_process_group(dist, comm, chosen_backend, rank, world_size, local_size, timeout)
+        store, store_address = _init_process_group(dist, comm, chosen_backend, rank,
+                                                   world_size, endpoint, timeout)
 
     _context = RankContext(
         rank=rank,
@@ -157,8 +165,11 @@ def init(
         comm=comm,
         node_comm=node_comm,
         torch_threads=threads,
+        endpoint=endpoint,
+        store=store,
+        store_address=store_address,
     )
-    agent = agent_mod.Agent(rank, world_size, agent_address or os.environ.get("MPILAB_AGENT"))
+    agent = agent_mod.Agent(rank, world_size, notebook)
     if device.type == "cuda":
         agent.device_memory = lambda: torch.cuda.memory_allocated(device)
     agent_mod.install(agent)
@@ -210,38 +221,106 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _rendezvous_host(comm, local_size: int, world_size: int) -> str:
-    """Loopback when every rank is on this node; else an address the others can reach."""
+@dataclass(frozen=True)
+class Endpoint:
+    """Where this rank listens: an address and the interface that holds it."""
+
+    address: str
+    interface: str
+
+
+LOOPBACK = Endpoint("127.0.0.1", "lo")
+
+
+def shared_endpoint(local_size: int, world_size: int, notebook: str | None) -> Endpoint:
+    """The address (and its interface) on the network the ranks share.
+
+    Everything the ranks open for each other (torch.distributed's store, gloo's and
+    NCCL's sockets) listens there and nowhere else: the loopback when every rank is on
+    this node; else the interface this host routes through towards the notebook (the
+    ranks and the notebook share that network), or, in a batch job without a notebook,
+    the address this host's name resolves to.
+    """
     if local_size == world_size:
-        return "127.0.0.1"
-    explicit = os.environ.get("MPILAB_RENDEZVOUS_IP")
-    if explicit:
-        return explicit
-    # the address the kernel routes through to reach other hosts
+        return LOOPBACK
+    address = _route_source(notebook) if notebook else None
+    if address is None:
+        try:
+            address = socket.gethostbyname(socket.gethostname())
+        except OSError as e:
+            raise BootstrapError(
+                f"this host's name {socket.gethostname()!r} does not resolve ({e}): the ranks "
+                "need an address the other hosts reach") from None
+    return Endpoint(address, interface_of(address))
+
+
+def _route_source(url: str) -> str | None:
+    """The local address the kernel routes through towards `url` (tcp://IP:PORT).
+
+    A UDP connect sends nothing; it only asks the routing table.
+    """
+    host = url.rsplit("//", 1)[-1].rsplit(":", 1)[0]
+    if host.startswith("127."):
+        return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         try:
-            s.connect(("10.255.255.255", 1))  # UDP connect sends nothing
+            s.connect((host, 1))
             return s.getsockname()[0]
         except OSError:
-            return socket.gethostbyname(socket.gethostname())
+            return None
 
 
-def _init_process_group(dist, comm, backend, rank, world_size, local_size, timeout):
-    """Rank 0 binds the store on a free port and broadcasts it over MPI: no guessing."""
+def interface_of(address: str) -> str:
+    """The name of the interface that holds `address` (gloo and NCCL take names)."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    raise BootstrapError(f"no interface of this host holds {address}; set the host's "
+                         "name to resolve to its address on the cluster network")
+
+
+def _pin_transports(endpoint: Endpoint) -> None:
+    """gloo and NCCL open their sockets on this interface only (they read these once,
+    when their first process group is made)."""
+    os.environ["GLOO_SOCKET_IFNAME"] = endpoint.interface
+    os.environ["NCCL_SOCKET_IFNAME"] = endpoint.interface
+
+
+def _listening_socket(address: str) -> socket.socket:
+    """A socket listening on `address` alone, on a free port, for the store's server
+    (torch's TCPStore itself would listen on every interface)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((address, 0))
+    sock.listen(1024)
+    return sock
+
+
+def _init_process_group(dist, comm, backend, rank, world_size, endpoint, timeout):
+    """Rank 0 opens the store on its endpoint and broadcasts where over MPI: no guessing.
+
+    Returns the store and its (address, port); the store's server lives as long as the
+    store object, which the rank context keeps.
+    """
     wait = timedelta(seconds=timeout)
     address = None
     store = None
     if rank == 0:
-        host = _rendezvous_host(comm, local_size, world_size)
         try:
-            store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=wait,
-                                  wait_for_workers=False)
-            address = (host, store.port)
+            listener = _listening_socket(endpoint.address)
+            port = listener.getsockname()[1]
+            store = dist.TCPStore(endpoint.address, port, world_size, is_master=True,
+                                  timeout=wait, wait_for_workers=False,
+                                  master_listen_fd=listener.detach())
+            address = (endpoint.address, port)
         except Exception as e:  # noqa: BLE001 - reported to every rank below
-            address = ("error", f"rank 0 could not open the rendezvous store on {host}: {e}")
+            address = ("error", f"rank 0 could not open the rendezvous store on "
+                                f"{endpoint.address}: {e}")
     address = comm.bcast(address, root=0)
     if address[0] == "error":
         raise BootstrapError(address[1])
     if store is None:
         store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=wait)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
+    return store, address
