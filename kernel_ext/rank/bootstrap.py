@@ -174,6 +174,8 @@ def init(
         agent.device_memory = lambda: torch.cuda.memory_allocated(device)
     agent_mod.install(agent)
     _prepare_communicators()
+    from .torchrun import install  # torchrun's environment: code written for it runs as is
+    install(_context)
     return _context
 
 
