@@ -1,12 +1,13 @@
-"""Start, stop, restart and inspect the rank cluster (ipyparallel engines under mpiexec).
+"""Start, stop, restart and inspect the rank cluster (ipyparallel engines under mpiexec
+or Slurm, on this host or on others).
 
 Usable from plain Python: ``RankCluster(ClusterConfig(n=2)).start()``. The magics only
-parse arguments and call this.
+parse arguments and call this. Where the ranks run (which hosts, through which launcher)
+and the address they reach the notebook at are worked out in `placement.py`.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import shutil
@@ -15,15 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import lifeline, placement
 from .channel import MetricsStore, RecordReceiver
+from .placement import ClusterError
 from .rank.bootstrap import BootstrapError, gpu_spec
-from .rank.engine_main import KERNEL_PID_ENV
 
 LAUNCHERS = ("mpi", "slurm")
-
-
-class ClusterError(Exception):
-    """A problem the user can fix; the message is one line saying what to do."""
 
 
 @dataclass
@@ -33,9 +31,10 @@ class ClusterConfig:
     backend: str = "auto"
     launcher: str = "mpi"
     hostfile: str | None = None
-    controller_ip: str = "127.0.0.1"
+    controller_ip: str | None = None  # None: chosen from where the ranks run
     mpiexec: str | None = None
     timeout: float = 120.0
+    slurm: placement.SlurmSettings = field(default_factory=placement.SlurmSettings)
 
     def validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -55,28 +54,16 @@ class ClusterConfig:
             raise ClusterError(f"--hostfile {self.hostfile}: no such file")
         if self.timeout <= 0:
             raise ClusterError(f"--timeout must be positive, got {self.timeout}")
-        _check_controller_ip(self.controller_ip)
+        if self.launcher != "slurm" and self.slurm.given():
+            raise ClusterError(f"{self.slurm.given()[0]} is a Slurm setting: add "
+                               "--launcher slurm")
+        self.slurm.validate()
+        if self.controller_ip is not None:
+            placement.check_local_ip(self.controller_ip)
         try:
             gpu_spec(self.gpus)
         except BootstrapError as e:
             raise ClusterError(str(e)) from None
-
-
-def _check_controller_ip(ip: str) -> None:
-    """The controller and the record channel listen there: an address of this host."""
-    import psutil
-
-    try:
-        ipaddress.ip_address(ip)
-    except ValueError:
-        raise ClusterError(f"--controller-ip {ip}: not an IP address; give this host's "
-                           "address on the network the ranks' hosts share") from None
-    local = {a.address.split("%")[0] for addresses in psutil.net_if_addrs().values()
-             for a in addresses}
-    if ip not in local:
-        ours = ", ".join(sorted(a for a in local if "." in a))
-        raise ClusterError(f"--controller-ip {ip}: not an address of this host (it has "
-                           f"{ours}); give one that the ranks' hosts reach")
 
 
 def find_mpiexec(explicit: str | None = None) -> str:
@@ -129,6 +116,7 @@ class RankCluster:
     _ipp_cluster: object = None
     _client: object = None
     _receiver: RecordReceiver | None = None
+    _lifeline: lifeline.Lifeline | None = None
 
     @property
     def running(self) -> bool:
@@ -149,56 +137,120 @@ class RankCluster:
             raise ClusterError(
                 "ranks are already running: `%mpilab stop` or `%mpilab restart` first"
             )
-        self.config.validate()
-        mpiexec = find_mpiexec(self.config.mpiexec) if self.config.launcher == "mpi" else None
+        cfg = self.config
+        cfg.validate()
+        into_allocation = cfg.launcher == "slurm" and placement.in_allocation()
+        mpiexec = find_mpiexec(cfg.mpiexec) if cfg.launcher == "mpi" or cfg.launcher == "slurm" \
+            else None
+        if into_allocation:
+            held = placement.allocation_tasks()
+            if held is not None and held < cfg.n:
+                raise ClusterError(
+                    f"the Slurm allocation {os.environ['SLURM_JOB_ID']} holds {held} tasks, "
+                    f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
+        where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
         started = time.perf_counter()
         saved = self.store.latest_event("checkpoint", rank=0) if self.store else None
-        self.store = MetricsStore(world_size=self.config.n)
+        self.store = MetricsStore(world_size=cfg.n)
         if saved is not None:  # a later restart still names it: the file outlives the ranks
             self.store.add(saved)
-        self._receiver = RecordReceiver(self.store, ip=self.config.controller_ip)
+        self._receiver = RecordReceiver(self.store, ip=where.listen_ip)
+        self._lifeline = lifeline.Lifeline(where.listen_ip)
         try:
-            self._start_engines(mpiexec)
+            self._start_engines(mpiexec, where, into_allocation)
             self._bootstrap()
         except BaseException:
             self.stop()
             raise
         return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started)
 
-    def _start_engines(self, mpiexec: str | None) -> None:
+    def _start_engines(self, mpiexec: str, where: placement.Placement,
+                       into_allocation: bool) -> None:
         import ipyparallel as ipp
 
         cfg = self.config
+        batch = cfg.launcher == "slurm" and not into_allocation
         cluster = ipp.Cluster(
-            engines=cfg.launcher,
+            engines="slurm" if batch else "mpi",
             n=cfg.n,
-            controller_ip=cfg.controller_ip,
+            controller_ip=where.listen_ip,
             delay=0,  # engines wait for the controller's connection info anyway
             engine_timeout=int(cfg.timeout),
             log=_quiet_log(),
             shutdown_atexit=False,  # our Session.shutdown ends everything, by pid, fast
         )
-        # the controller and every engine end themselves if this kernel dies without
-        # stopping them (killed, crashed): they watch its pid
-        os.environ[KERNEL_PID_ENV] = str(os.getpid())
+        # the controller and every engine hold this kernel's lifeline and end themselves
+        # when it is gone (killed, crashed, unreachable), on whichever host they run
+        os.environ[lifeline.ENV] = self._lifeline.address
         cluster.config.LocalControllerLauncher.controller_cmd = [
             sys.executable, "-m", "mpilab.controller_main"]
         # engines start importing torch while they register (mpilab.rank.engine_main)
         engine_cmd = [sys.executable, "-m", "mpilab.rank.engine_main"]
         for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher"):
             cluster.config[launcher].engine_cmd = engine_cmd
-        if cfg.launcher == "mpi":
+        if batch:
+            cluster.config.SlurmEngineSetLauncher.batch_template = placement.batch_script(
+                cfg.slurm, mpiexec)
+        else:
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
-            if cfg.hostfile:
+            if into_allocation:
+                cluster.config.MPIEngineSetLauncher.mpi_args = list(placement.SLURM_MPIEXEC_ARGS)
+            elif cfg.hostfile:
                 cluster.config.MPIEngineSetLauncher.mpi_args = ["-f", cfg.hostfile]
         self._ipp_cluster = cluster
         try:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()
-            client.wait_for_engines(cfg.n, timeout=cfg.timeout, interactive=False)
         except Exception as e:  # noqa: BLE001 - every start failure becomes one line + log
             raise ClusterError(self._start_failure(e)) from None
         self._client = client
+        self._wait_for_engines(client, cfg.n, cfg.timeout)
+
+    def _wait_for_engines(self, client, n: int, timeout: float) -> None:
+        """Until n engines registered; a launcher that ended first (ssh refused, a job
+        that failed or was cancelled) is told at once, with what it said."""
+        deadline = time.monotonic() + timeout
+        next_look = 0.0
+        while len(client.ids) < n:
+            now = time.monotonic()
+            if now > deadline:
+                raise ClusterError(self._start_failure(TimeoutError(
+                    f"{len(client.ids)} of {n} engines registered in {timeout:.0f} s"
+                    + self._job_state_note())))
+            if now >= next_look:
+                next_look = now + 1.0
+                ended = self._launcher_ended()
+                if ended:
+                    raise ClusterError(self._start_failure(RuntimeError(ended)))
+            time.sleep(0.1)
+
+    def _launcher_ended(self) -> str | None:
+        """Why the engines' launcher is gone before they all registered (None: it runs)."""
+        for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
+            job = getattr(engine_set, "job_id", None)
+            if job:
+                state = slurm_job_state(job)
+                if state is None or state in SLURM_ENDED:
+                    return f"the Slurm job {job} ended ({state or 'gone'})"
+                continue
+            process = getattr(engine_set, "process", None)
+            if process is not None and not process.is_running():
+                return "mpiexec exited"
+            if process is not None:
+                try:
+                    if process.status() == "zombie":
+                        return "mpiexec exited"
+                except Exception:  # noqa: BLE001 - gone between the two looks
+                    return "mpiexec exited"
+        return None
+
+    def _job_state_note(self) -> str:
+        for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
+            job = getattr(engine_set, "job_id", None)
+            if job:
+                state = slurm_job_state(job, with_reason=True)
+                return f"; the Slurm job {job} is {state or 'gone'}"
+        return ""
 
     def _start_failure(self, error: Exception) -> str:
         tail = self.engine_output(lines=15)
@@ -250,16 +302,25 @@ class RankCluster:
         self.engine_of_rank = {s["rank"]: eid for s, eid in zip(summaries, ar.engine_id)}
 
     def stop(self, fast: bool = False) -> None:
-        """Stop engines, controller and receiver; leaves no process behind.
+        """Stop engines, controller and receiver, on every host; leaves nothing behind.
 
-        fast: the kernel is exiting and may be killed within seconds, so end what was
-        launched at once, by pid, and tidy ipyparallel's files ourselves.
+        The engines are asked to exit; closing the lifeline then ends every supervisor's
+        engine that has not, on whichever host; mpiexec and the controller are ended by
+        pid and a Slurm job is cancelled and waited for.
+        fast: the kernel is exiting and may be killed within seconds, so end everything
+        at once and tidy ipyparallel's files ourselves.
         """
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
-        self._client = self._ipp_cluster = self._receiver = None
+        held = self._lifeline
+        self._client = self._ipp_cluster = self._receiver = self._lifeline = None
         self.ranks, self.engine_of_rank, self.dead = [], {}, {}
         launched = _launched_processes(cluster) if cluster is not None else []
+        jobs = _slurm_jobs(cluster) if cluster is not None else []
         if fast:
+            if held is not None:
+                held.close()
+            for job in jobs:
+                _cancel(job, wait=0)
             _kill_survivors(launched, grace=0)
             if cluster is not None:
                 _remove_cluster_files(cluster)
@@ -268,15 +329,19 @@ class RankCluster:
                 try:
                     # engines that exit on their own let mpiexec end cleanly and at once
                     client.shutdown(targets="all", block=False)
-                except Exception:  # noqa: BLE001 - dead engines cannot be asked; killed below
+                except Exception:  # noqa: BLE001 - dead engines cannot be asked; ended below
                     pass
-                _wait_for_exit(launched, timeout=5)
+                _wait_for_exit(launched, held, timeout=5)
+            if held is not None:
+                held.close()
             if cluster is not None:
                 try:
                     cluster.stop_cluster_sync()
                 except Exception:  # noqa: BLE001 - then kill what we started, by pid
                     pass
                 _kill_survivors(launched)
+            for job in jobs:
+                _cancel(job, wait=SLURM_CANCEL_WAIT_S)
         if client is not None:
             try:
                 client.close()
@@ -361,12 +426,55 @@ def _launched_processes(cluster) -> list:
     return procs
 
 
-def _wait_for_exit(procs: list, timeout: float) -> None:
-    """Wait until the engine processes (not the controller) have exited."""
+def _wait_for_exit(procs: list, held: lifeline.Lifeline | None, timeout: float) -> None:
+    """Wait until the engines have exited: the local processes (not the controller), and
+    every supervisor's hold on the lifeline, on any host (the controller's stays)."""
     import psutil
 
+    deadline = time.monotonic() + timeout
     engines = [p for p in procs if "ipyparallel.controller" not in " ".join(_cmdline(p))]
     psutil.wait_procs([p for p in engines if p.is_running()], timeout=timeout)
+    while held is not None and held.holders > 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+               "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+SLURM_CANCEL_WAIT_S = 15.0
+
+
+def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
+    """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
+    import subprocess
+
+    fmt = "%T (%r)" if with_reason else "%T"
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", str(job), "-o", fmt],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    out = done.stdout.strip()
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        return "UNKNOWN"
+    return out or None
+
+
+def _slurm_jobs(cluster) -> list[str]:
+    return [job for engine_set in getattr(cluster, "engines", {}).values()
+            if (job := getattr(engine_set, "job_id", None))]
+
+
+def _cancel(job: str, wait: float) -> None:
+    """scancel the job and wait (up to `wait` s) until squeue no longer lists it."""
+    import subprocess
+
+    try:
+        subprocess.run(["scancel", str(job)], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and slurm_job_state(job) is not None:
+        time.sleep(0.2)
 
 
 def _cmdline(proc) -> list[str]:

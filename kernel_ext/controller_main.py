@@ -1,24 +1,24 @@
 """The ipyparallel controller as mpilab starts it: `python -m mpilab.controller_main`.
 
-The same controller, plus a thread that ends it and its schedulers when the notebook
-kernel that started the cluster is gone (killed rather than shut down), so no
-controller outlives its notebook.
+The same controller, plus a thread that holds the notebook's lifeline (mpilab.lifeline)
+and ends the controller and its schedulers when the notebook kernel that started the
+cluster is gone (killed rather than shut down), so no controller outlives its notebook.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
-import time
 
-from mpilab.rank.engine_main import WATCH_INTERVAL_S, pid_alive, watched_kernel_pid
+from mpilab import lifeline
 
 
-def _watch_kernel(kernel: int) -> None:
+def _watch(held: lifeline.Holder) -> None:
     import psutil
 
-    while pid_alive(kernel):
-        time.sleep(WATCH_INTERVAL_S)
+    while not held.notebook_gone(wait=1.0):
+        pass
     for child in psutil.Process().children(recursive=True):
         try:
             child.kill()
@@ -28,9 +28,13 @@ def _watch_kernel(kernel: int) -> None:
 
 
 if __name__ == "__main__":
-    kernel_pid = watched_kernel_pid()
-    if kernel_pid:
-        threading.Thread(target=_watch_kernel, args=(kernel_pid,), daemon=True).start()
+    try:
+        held = lifeline.hold()
+    except lifeline.LifelineLost as e:
+        print(f"mpilab controller: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    if held is not None:
+        threading.Thread(target=_watch, args=(held,), daemon=True).start()
     from ipyparallel.controller.app import main
 
     main()

@@ -10,6 +10,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cluster import ClusterConfig, ClusterError
+from .placement import SlurmSettings
 from .runner import RunOptions, parse_ranks
 from .session import Session
 
@@ -51,9 +52,21 @@ class MpilabMagics(Magics):
     @argument("-n", type=int, default=2, help="number of ranks")
     @argument("--gpus", default="auto", help="auto | none | a list like 0,1")
     @argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    @argument("--launcher", default="mpi", help="mpi (mpiexec) | slurm (srun)")
+    @argument("--launcher", default="mpi",
+              help="mpi (mpiexec) | slurm (a batch job, or the salloc allocation you are in)")
     @argument("--hostfile", default=None, help="hosts for mpiexec (it reaches them over ssh)")
-    @argument("--controller-ip", default="127.0.0.1")
+    @argument("--controller-ip", default=None,
+              help="this host's address the ranks reach (default: loopback for ranks on this "
+                   "host, else the route towards their first host)")
+    @argument("--partition", default=None, help="Slurm partition")
+    @argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00")
+    @argument("--account", default=None, help="Slurm account")
+    @argument("--nodes", default=None, help="Slurm nodes (a count or min-max)")
+    @argument("--tasks-per-node", type=int, default=None, help="Slurm tasks (ranks) per node")
+    @argument("--gpus-per-node", default=None, help="Slurm GPUs per node (a count or type:count)")
+    @argument("--sbatch-option", action="append", default=[],
+              help="any other sbatch option, as sbatch spells it (repeat for more): "
+                   "--sbatch-option=--qos=high")
     @argument("--mpiexec", default=None, help="path to mpiexec")
     @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks")
     @argument("--hang-timeout", type=float, default=None,
@@ -63,10 +76,14 @@ class MpilabMagics(Magics):
 
     def _start(self, rest: str):
         args = _parse(self._start_args, rest)
+        slurm = SlurmSettings(partition=args.partition, time=args.time, account=args.account,
+                              nodes=args.nodes, tasks_per_node=args.tasks_per_node,
+                              gpus_per_node=args.gpus_per_node,
+                              sbatch_options=args.sbatch_option)
         config = ClusterConfig(n=args.n, gpus=args.gpus, backend=args.backend,
                                launcher=args.launcher, hostfile=args.hostfile,
                                controller_ip=args.controller_ip, mpiexec=args.mpiexec,
-                               timeout=args.timeout)
+                               timeout=args.timeout, slurm=slurm)
         if args.hang_timeout is not None:
             if args.hang_timeout <= 0:
                 raise UsageError("--hang-timeout must be a positive number of seconds")

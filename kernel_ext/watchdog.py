@@ -75,17 +75,17 @@ def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
     return None
 
 
-_ENGINE_EXIT = re.compile(r"mpilab-engine-exit pid=(?P<pid>\d+) (?P<cause>.+)")
+_ENGINE_EXIT = re.compile(r"mpilab-engine-exit host=(?P<host>\S+) pid=(?P<pid>\d+) (?P<cause>.+)")
 # a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
 # dist.all_reduce(…), node_comm.Barrier(); mpilab's own collectives report themselves
 _DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
 
 
-def death_cause(pid: int, launcher_output: str) -> str:
-    """'killed by signal 9 (SIGKILL)' / 'exited with code 3', as the rank's supervisor
-    (mpilab.rank.engine_main) reported it."""
+def death_cause(host: str, pid: int, launcher_output: str) -> str:
+    """'killed by signal 9 (SIGKILL)' / 'exited with code 3', as the supervisor of the
+    rank with this pid on this host (mpilab.rank.engine_main) reported it."""
     for m in _ENGINE_EXIT.finditer(launcher_output):
-        if int(m.group("pid")) == pid:
+        if int(m.group("pid")) == pid and m.group("host") == host:
             return m.group("cause").strip()
     return UNKNOWN_CAUSE
 
@@ -104,6 +104,7 @@ class Watchdog:
         self.local_host = socket.gethostname()
         self._procs = {}
         self._next_process_check = 0.0
+        self._info = {i["rank"]: i for i in cluster.ranks}
         for info in cluster.ranks:
             if info["rank"] in ranks and info["host"] == self.local_host:
                 try:
@@ -126,18 +127,28 @@ class Watchdog:
                         continue
                 except psutil.Error:
                     pass
-                dead[rank] = self._cause(proc.pid)
+                dead[rank] = self._cause(rank)
+            remote = [r for r in self.ranks if r not in self._procs and r in self._info]
+            if remote:  # their supervisors' reports reach the launcher's output
+                output = self.cluster.engine_output(lines=200)
+                for rank in remote:
+                    info = self._info[rank]
+                    cause = death_cause(info["host"], info["pid"], output)
+                    if cause != UNKNOWN_CAUSE:
+                        dead[rank] = cause
         ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
         for rank in self.ranks:
-            if rank not in self._procs and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
+            if rank not in self._procs and rank not in dead \
+                    and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
                 dead[rank] = f"no heartbeat for {ages[rank]:.0f} s"
         return dead
 
-    def _cause(self, pid: int) -> str:
+    def _cause(self, rank: int) -> str:
         """mpiexec reports how a rank ended a moment after it ends: wait for that."""
+        info = self._info[rank]
         deadline = time.monotonic() + MPIEXEC_REPORT_WAIT_S
         while True:
-            cause = death_cause(pid, self.cluster.engine_output(lines=200))
+            cause = death_cause(info["host"], info["pid"], self.cluster.engine_output(lines=200))
             if cause != UNKNOWN_CAUSE or time.monotonic() > deadline:
                 return cause
             time.sleep(0.1)

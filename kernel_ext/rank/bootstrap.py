@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from . import agent as agent_mod
+from .endpoint import Endpoint, shared_endpoint
 
 
 class BootstrapError(RuntimeError):
@@ -147,7 +148,10 @@ def init(
     torch.set_num_threads(threads)
 
     notebook = agent_address or os.environ.get("MPILAB_AGENT")
-    endpoint = shared_endpoint(local_size, world_size, notebook)
+    try:
+        endpoint = shared_endpoint(local_size, world_size, notebook)
+    except OSError as e:
+        raise BootstrapError(str(e)) from None
     _pin_transports(endpoint)
     store, store_address = None, None
     if not dist.is_initialized():
@@ -221,66 +225,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:
         return os.cpu_count() or 1
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """Where this rank listens: an address and the interface that holds it."""
-
-    address: str
-    interface: str
-
-
-LOOPBACK = Endpoint("127.0.0.1", "lo")
-
-
-def shared_endpoint(local_size: int, world_size: int, notebook: str | None) -> Endpoint:
-    """The address (and its interface) on the network the ranks share.
-
-    Everything the ranks open for each other (torch.distributed's store, gloo's and
-    NCCL's sockets) listens there and nowhere else: the loopback when every rank is on
-    this node; else the interface this host routes through towards the notebook (the
-    ranks and the notebook share that network), or, in a batch job without a notebook,
-    the address this host's name resolves to.
-    """
-    if local_size == world_size:
-        return LOOPBACK
-    address = _route_source(notebook) if notebook else None
-    if address is None:
-        try:
-            address = socket.gethostbyname(socket.gethostname())
-        except OSError as e:
-            raise BootstrapError(
-                f"this host's name {socket.gethostname()!r} does not resolve ({e}): the ranks "
-                "need an address the other hosts reach") from None
-    return Endpoint(address, interface_of(address))
-
-
-def _route_source(url: str) -> str | None:
-    """The local address the kernel routes through towards `url` (tcp://IP:PORT).
-
-    A UDP connect sends nothing; it only asks the routing table.
-    """
-    host = url.rsplit("//", 1)[-1].rsplit(":", 1)[0]
-    if host.startswith("127."):
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, 1))
-            return s.getsockname()[0]
-        except OSError:
-            return None
-
-
-def interface_of(address: str) -> str:
-    """The name of the interface that holds `address` (gloo and NCCL take names)."""
-    import psutil
-
-    for name, addresses in psutil.net_if_addrs().items():
-        if any(a.address.split("%")[0] == address for a in addresses):
-            return name
-    raise BootstrapError(f"no interface of this host holds {address}; set the host's "
-                         "name to resolve to its address on the cluster network")
 
 
 def _pin_transports(endpoint: Endpoint) -> None:

@@ -1,44 +1,34 @@
 """Entry point of a rank's engine process: `python -m mpilab.rank.engine_main --mpi …`.
 
-mpiexec starts this as a small supervisor that runs the real engine as its child and
-waits for it, ending it if the notebook kernel that started the cluster is gone. When
-the engine dies the supervisor prints how (signal or exit code) to the launcher's
-output, which is where the notebook reads "rank 1 (pid N) died: killed by signal 9"
-from; mpiexec's own report names whichever process it noticed first. The engine child
-imports torch on a thread while ipyparallel registers it.
+mpiexec (or srun) starts this on the rank's host as a small supervisor that runs the
+real engine as its child and waits for it, ending it when the notebook is gone: it holds
+the notebook's lifeline (mpilab.lifeline), which works across hosts. When the engine
+dies the supervisor prints how (signal or exit code), with its host and pid, to the
+launcher's output, which is where the notebook reads "rank 1 (pid N on node2) died:
+killed by signal 9" from; mpiexec's own report names whichever process it noticed
+first. Before the engine starts, the supervisor closes the listening sockets it
+inherited from the launcher and keeps MPI's network transport on the interface the
+ranks share. The engine child imports torch on a thread while ipyparallel registers it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import time
 
+from mpilab import lifeline
+
 REPORT_PREFIX = "mpilab-engine-exit"
 WATCH_INTERVAL_S = 0.25
-KERNEL_PID_ENV = "MPILAB_KERNEL_PID"  # the notebook kernel whose death ends its cluster
-
-
-def watched_kernel_pid() -> int:
-    """The pid of the notebook kernel that started this cluster (0: none to watch)."""
-    return int(os.environ.get(KERNEL_PID_ENV, "0"))
 _CHILD_FLAG = "--mpilab-engine-child"
 
 
-def pid_alive(pid: int) -> bool:
-    """Alive and not a zombie (a killed kernel stays one until its parent reaps it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True  # no /proc (not Linux): existence is all we can tell
+def report(pid: int | str, cause: str) -> str:
+    """The line the notebook's watchdog reads: host and pid name the rank on any host."""
+    return f"{REPORT_PREFIX} host={socket.gethostname()} pid={pid} {cause}"
 
 
 def _die_with_parent() -> None:
@@ -63,14 +53,73 @@ def run_engine(argv: list[str]) -> None:
     main()
 
 
+def close_inherited_listeners() -> None:
+    """Close listening sockets inherited from the launcher (mpiexec's PMI port listens
+    on every interface): a rank must not keep them open for the whole session."""
+    for name in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else []:
+        fd = int(name)
+        if fd <= 2:
+            continue
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue  # not a socket
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        if listening:
+            sock.close()
+        else:
+            sock.detach()
+
+
+def mpi_net_devices(notebook_address: str | None) -> str | None:
+    """UCX_NET_DEVICES for the engine: MPI's TCP transport listens only on the interface
+    the ranks share (loopback when they share this host with the notebook); RDMA
+    devices stay usable. None: leave MPI's choice (no notebook, or the user chose)."""
+    if "UCX_NET_DEVICES" in os.environ or not notebook_address:
+        return None
+    from mpilab.rank.endpoint import interface_of, route_source
+
+    ip = notebook_address.rsplit(":", 1)[0]
+    if ip.startswith("127."):
+        return "lo"
+    source = route_source(ip)
+    interface = interface_of(source) if source else None
+    if interface is None:
+        return None
+    return ",".join([interface, *_rdma_ports()])
+
+
+def _rdma_ports() -> list[str]:
+    """UCX's names of this host's RDMA ports (mlx5_0:1 …), from sysfs."""
+    root = "/sys/class/infiniband"
+    ports = []
+    for device in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        for port in sorted(os.listdir(f"{root}/{device}/ports")):
+            ports.append(f"{device}:{port}")
+    return ports
+
+
 def supervise(argv: list[str]) -> int:
+    try:
+        held = lifeline.hold()
+    except lifeline.LifelineLost as e:
+        print(report("-", f"did not start: {e}"), file=sys.stderr, flush=True)
+        return 1
+    close_inherited_listeners()
+    devices = mpi_net_devices(os.environ.get(lifeline.ENV))
+    if devices:
+        os.environ["UCX_NET_DEVICES"] = devices
     child = os.fork()
     if child == 0:
+        if held is not None:
+            os.close(held.fileno())
         os.execv(sys.executable, [sys.executable, "-m", "mpilab.rank.engine_main",
                                   _CHILD_FLAG, *argv])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: os.kill(child, signum))
-    kernel = watched_kernel_pid()
     while True:
         try:
             pid, status = os.waitpid(child, os.WNOHANG)
@@ -78,11 +127,14 @@ def supervise(argv: list[str]) -> int:
             return 1
         if pid:
             break
-        if kernel and not pid_alive(kernel):  # the notebook is gone: so are its ranks
+        gone = held.notebook_gone(wait=WATCH_INTERVAL_S) if held else None
+        if gone:  # the notebook is gone: so are its ranks
             os.kill(child, signal.SIGKILL)
             os.waitpid(child, 0)
+            print(report(child, f"ended: {gone}"), file=sys.stderr, flush=True)
             return 1
-        time.sleep(WATCH_INTERVAL_S)
+        if held is None:
+            time.sleep(WATCH_INTERVAL_S)
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
@@ -90,7 +142,7 @@ def supervise(argv: list[str]) -> int:
     else:
         code = os.WEXITSTATUS(status)
         cause = f"exited with code {code}"
-    print(f"{REPORT_PREFIX} pid={child} {cause}", file=sys.stderr, flush=True)
+    print(report(child, cause), file=sys.stderr, flush=True)
     return code
 
 

@@ -1,0 +1,232 @@
+"""Where the ranks run and where they reach the notebook.
+
+Past one host mpilab rides on MPI's and Slurm's own launchers; what it decides itself is
+small and lives here: the address the controller, the record channel and the lifeline
+listen on (one the ranks' hosts reach, on that interface only), how a Slurm job is
+asked for, and whether an existing allocation can hold the ranks. Each problem is one
+line that says what to do.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import shlex
+import socket
+import subprocess
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from .rank.endpoint import route_source
+
+LOOPBACK = "127.0.0.1"
+SLURM_QUERY_S = 15.0
+
+
+class ClusterError(Exception):
+    """A problem the user can fix; the message is one line saying what to do."""
+
+
+OPTION_NAMES = {"sbatch_options": "--sbatch-option"}
+
+
+@dataclass
+class SlurmSettings:
+    """What a user tells sbatch (the magic's option names are the fields' with dashes)."""
+
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    nodes: str | None = None
+    tasks_per_node: int | None = None
+    gpus_per_node: str | None = None
+    sbatch_options: list[str] = field(default_factory=list)  # any other, as sbatch spells it
+
+    def given(self) -> list[str]:
+        """The options set, as the user typed them (for 'needs --launcher slurm')."""
+        return [OPTION_NAMES.get(f.name, "--" + f.name.replace("_", "-"))
+                for f in fields(self) if getattr(self, f.name)]
+
+    def validate(self) -> None:
+        if self.tasks_per_node is not None and self.tasks_per_node < 1:
+            raise ClusterError(f"--tasks-per-node must be positive, got {self.tasks_per_node}")
+        for option in self.sbatch_options:
+            if not option.startswith("-"):
+                raise ClusterError(f"--sbatch-option {option!r}: give it as sbatch spells it, "
+                                   "for example --sbatch-option=--qos=high")
+
+    def directives(self) -> list[str]:
+        """The #SBATCH lines these settings make."""
+        lines = []
+        for name in ("partition", "time", "account", "nodes", "tasks_per_node",
+                     "gpus_per_node"):
+            value = getattr(self, name)
+            if value:
+                lines.append(f"#SBATCH --{name.replace('_', '-')}={value}")
+        lines += [f"#SBATCH {option}" for option in self.sbatch_options]
+        return lines
+
+
+def batch_script(settings: SlurmSettings, mpiexec: str) -> str:
+    """ipyparallel's Slurm batch template: one job whose ranks mpiexec starts together
+    (through srun on the job's nodes), so they are one MPI world. Braces in the user's
+    values are escaped from ipyparallel's formatting."""
+    user = [line.replace("{", "{{").replace("}", "}}") for line in settings.directives()]
+    return "\n".join([
+        "#!/bin/sh",
+        "#SBATCH --job-name=mpilab-{cluster_id}",
+        "#SBATCH --ntasks={n}",
+        "#SBATCH --output={output_file}",
+        "#SBATCH --export=ALL",
+        *user,
+        f"exec {shlex.quote(mpiexec)} {' '.join(SLURM_MPIEXEC_ARGS)} -n {{n}} {{program_and_args}}",
+        "",
+    ])
+
+
+# inside a Slurm job, mpiexec starts its proxies on the job's nodes with srun, whatever
+# launcher the environment names for interactive use (ssh)
+SLURM_MPIEXEC_ARGS = ("-launcher", "slurm", "-launcher-exec", "srun", "-rmk", "slurm")
+
+
+def in_allocation() -> bool:
+    """An existing allocation (salloc, or a batch job's shell) that ranks go into."""
+    return bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def allocation_tasks() -> int | None:
+    """How many tasks the current allocation holds (SLURM_NTASKS, else per node x nodes)."""
+    if os.environ.get("SLURM_NTASKS"):
+        return int(os.environ["SLURM_NTASKS"])
+    per_node = os.environ.get("SLURM_TASKS_PER_NODE") or os.environ.get("SLURM_JOB_CPUS_PER_NODE")
+    if not per_node:
+        return None
+    total = 0
+    for part in per_node.split(","):  # "2(x3),1"
+        count, _, times = part.partition("(x")
+        total += int(count) * (int(times.rstrip(")")) if times else 1)
+    return total
+
+
+def check_local_ip(ip: str) -> None:
+    """An address given for the controller must be one of this host's."""
+    try:
+        ipaddress.ip_address(ip)
+    except ValueError:
+        raise ClusterError(f"--controller-ip {ip}: not an IP address; give this host's "
+                           "address on the network the ranks' hosts share") from None
+    if ip not in local_addresses():
+        raise ClusterError(f"--controller-ip {ip}: not an address of this host (it has "
+                           f"{_choices()}); give one that the ranks' hosts reach")
+
+
+def local_addresses() -> set[str]:
+    import psutil
+
+    return {a.address.split("%")[0] for addresses in psutil.net_if_addrs().values()
+            for a in addresses}
+
+
+def _choices() -> str:
+    return ", ".join(sorted(a for a in local_addresses() if "." in a))
+
+
+def hostfile_hosts(path: str) -> list[str]:
+    """The host names of an mpiexec hostfile (`host`, `host:slots`, `host slots=N`)."""
+    hosts = []
+    for line in Path(path).read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            hosts.append(line.split()[0].split(":")[0])
+    if not hosts:
+        raise ClusterError(f"--hostfile {path}: names no host (one per line, `host:slots`)")
+    return hosts
+
+
+def is_this_host(host: str) -> bool:
+    if host in ("localhost", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        return resolve(host) in local_addresses()
+    except OSError:
+        return False
+
+
+def resolve(host: str) -> str:
+    return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
+
+
+def slurm_query(*command: str) -> str:
+    """A Slurm command's output; its own error as one line when it fails."""
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_QUERY_S)
+    except FileNotFoundError:
+        raise ClusterError(f"{command[0]} not found: --launcher slurm needs Slurm's commands "
+                           "on this host's PATH") from None
+    except subprocess.TimeoutExpired:
+        raise ClusterError(f"{' '.join(command)} did not answer in {SLURM_QUERY_S:.0f} s: "
+                           "is slurmctld running?") from None
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        raise ClusterError(f"{command[0]}: {said[-1] if said else 'failed'}")
+    return done.stdout
+
+
+def first_slurm_node_address(settings: SlurmSettings) -> str | None:
+    """The address of the first node the ranks may land on: the allocation's, else the
+    partition's (sinfo's NodeAddr, which is what slurmd is reached at)."""
+    if in_allocation() and os.environ.get("SLURM_JOB_NODELIST"):
+        first = slurm_query("scontrol", "show", "hostnames",
+                            os.environ["SLURM_JOB_NODELIST"]).split()[0]
+        rows = slurm_query("sinfo", "-h", "-N", "-n", first, "-o", "%N %o").split()
+    else:
+        partition = ["-p", settings.partition] if settings.partition else []
+        rows = slurm_query("sinfo", "-h", "-N", *partition, "-o", "%N %o").split()
+        if not rows:
+            where = f"partition {settings.partition}" if settings.partition else "the cluster"
+            raise ClusterError(f"sinfo lists no node in {where}: check --partition")
+    return rows[1] if len(rows) > 1 else None
+
+
+@dataclass
+class Placement:
+    """Where the ranks will run, as far as the notebook can tell before starting them."""
+
+    listen_ip: str  # controller, record channel and lifeline bind here
+    remote: bool  # some rank may run on another host
+    first_host: str | None = None  # a host the ranks run on (for messages)
+
+
+def place(launcher: str, hostfile: str | None, controller_ip: str | None,
+          slurm: SlurmSettings) -> Placement:
+    """Choose the address the ranks reach the notebook at: the given one, else loopback
+    when they run here, else the route towards the first rank's host."""
+    if launcher == "slurm":
+        address = first_slurm_node_address(slurm)
+        first = address
+    elif hostfile:
+        remote_hosts = [h for h in hostfile_hosts(hostfile) if not is_this_host(h)]
+        if not remote_hosts:
+            return _given_or_loopback(controller_ip)
+        first = remote_hosts[0]
+        try:
+            address = resolve(first)
+        except OSError:
+            address = None
+    else:
+        return _given_or_loopback(controller_ip)
+    if controller_ip is not None:
+        if ipaddress.ip_address(controller_ip).is_loopback:
+            raise ClusterError(f"--controller-ip {controller_ip}: the ranks on {first} cannot "
+                               f"reach this host's loopback; give one of {_choices()}")
+        return Placement(controller_ip, remote=True, first_host=first)
+    source = route_source(address) if address else None
+    if source is None or ipaddress.ip_address(source).is_loopback:
+        why = "does not resolve here" if address is None else f"({address}) has no route here"
+        raise ClusterError(f"cannot tell which address of this host {first} reaches: it "
+                           f"{why}; give --controller-ip, one of {_choices()}")
+    return Placement(source, remote=True, first_host=first)
+
+
+def _given_or_loopback(controller_ip: str | None) -> Placement:
+    return Placement(controller_ip or LOOPBACK, remote=False)
