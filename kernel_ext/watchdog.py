@@ -25,6 +25,7 @@ DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
 PROCESS_CHECK_S = 0.25
 MPIEXEC_REPORT_WAIT_S = 2.0
 UNKNOWN_CAUSE = "its process is gone"
+SILENT_PREFIX = "no heartbeat"
 
 
 @dataclass
@@ -140,8 +141,15 @@ class Watchdog:
         for rank in self.ranks:
             if rank not in self._procs and rank not in dead \
                     and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
-                dead[rank] = f"no heartbeat for {ages[rank]:.0f} s"
+                dead[rank] = f"{SILENT_PREFIX} for {ages[rank]:.0f} s"
         return dead
+
+    def _death_line(self, rank: int, cause: str) -> str:
+        info = self._info.get(rank, {})
+        who = f"rank {rank} (pid {info.get('pid', '?')} on {info.get('host', '?')})"
+        if cause.startswith(SILENT_PREFIX):  # gone or cut off: the notebook cannot tell
+            return f"{who} cannot be reached: {cause}"
+        return f"{who} died: {cause}"
 
     def _cause(self, rank: int) -> str:
         """mpiexec reports how a rank ended a moment after it ends: wait for that."""
@@ -162,9 +170,7 @@ class Watchdog:
                 for r, cause in dead.items():
                     if cause == UNKNOWN_CAUSE:
                         dead[r] = f"ended by mpiexec after rank {known[0]} died"
-            info = {i["rank"]: i for i in self.cluster.ranks}
-            lines = [f"rank {r} (pid {info[r]['pid']} on {info[r]['host']}) died: {cause}"
-                     for r, cause in sorted(dead.items())]
+            lines = [self._death_line(r, cause) for r, cause in sorted(dead.items())]
             return Verdict("dead", lines, dead=dead)
         running = [r for r in self.ranks if r not in finished]
         if not running:

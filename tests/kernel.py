@@ -5,6 +5,7 @@ Each message is timestamped on arrival so tests can check that output streams li
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from dataclasses import dataclass, field
@@ -63,8 +64,11 @@ class CellRun:
 
 
 class Kernel:
-    def __init__(self, cwd: str | None = None):
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None):
+        """env: variables added to this process's environment for the kernel."""
         kwargs = {"cwd": cwd} if cwd else {}
+        if env:
+            kwargs["env"] = {**os.environ, **env}
         self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
         self._backlog: list[dict] = []
 
@@ -110,6 +114,10 @@ class Kernel:
                 continue
         return [{"type": msg["msg_type"], "content": msg["content"],
                  "parent": msg["parent_header"].get("msg_id")} for msg in messages]
+
+    @property
+    def pid(self) -> int:
+        return self.km.provisioner.process.pid
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
