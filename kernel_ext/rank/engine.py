@@ -31,6 +31,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
 
     from . import agent as agent_mod
     from .bootstrap import init
+    from .torchrun import install_shell
 
     ctx = init(gpus=gpus, backend=backend, agent_address=agent_address, timeout=timeout)
     import torch.distributed as dist
@@ -42,6 +43,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     )
     shell.set_custom_exc((BaseException,), _clean_traceback)
     shell.showsyntaxerror = _syntax_error_shower(shell)
+    install_shell(shell)  # `%run script.py` fails the cell when the script fails
     agent = agent_mod.current()
     state = agent.state
 

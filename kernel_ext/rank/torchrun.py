@@ -327,7 +327,7 @@ class SpawnOnRanks(RuntimeError):
     """mp.spawn was called on a rank: it would start processes on every rank."""
 
 
-def spawn_message(fn: Any, args: tuple, nprocs: int, rank: int, world_size: int) -> str:
+def spawn_message(fn: Any, args: tuple, nprocs: int, world_size: int) -> str:
     """One line: what mp.spawn would do here, and the call that does the job instead."""
     name = getattr(fn, "__name__", "fn")
     shown = ", ".join(repr(a) for a in args)
@@ -335,8 +335,8 @@ def spawn_message(fn: Any, args: tuple, nprocs: int, rank: int, world_size: int)
     if len(call) > 80:
         call = f"{name}(rank, *args)"
     return (f"mp.spawn would start {nprocs} more processes on each of the {world_size} "
-            f"ranks, and every rank already is one process of the job (this is rank {rank}): "
-            f"call {call} instead, on every rank")
+            f"ranks, and every rank already is one process of the job: call {call} "
+            "instead, on every rank (`rank` is this rank's number)")
 
 
 def _guard_spawn(ctx) -> None:
@@ -352,7 +352,7 @@ def _guard_spawn(ctx) -> None:
         call.apply_defaults()
         a = call.arguments
         raise SpawnOnRanks(spawn_message(a["fn"], tuple(a.get("args") or ()),
-                                         a.get("nprocs", 1), ctx.rank, ctx.world_size))
+                                         a.get("nprocs", 1), ctx.world_size))
 
     for module in (mp, spawn_module):
         if module is not None:
@@ -367,8 +367,9 @@ def install_shell(shell) -> None:
     """`%run script.py` in a cell raises what the script raises (IPython prints it and
     reports success), so a failing script fails the cell on its rank, and the notebook
     releases the peers that wait for it."""
-    magics = shell.magics_manager.registry.get("ExecutionMagics")
-    if magics is None:
+    run = shell.magics_manager.magics["line"].get("run")
+    magics = getattr(run, "__self__", None)  # IPython's ExecutionMagics
+    if magics is None or not hasattr(magics, "default_runner"):
         return
 
     def run_script(filename, *where, exit_ignore: bool = False):
