@@ -189,8 +189,13 @@ class RankCluster:
         for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher"):
             cluster.config[launcher].engine_cmd = engine_cmd
         if batch:
-            cluster.config.SlurmEngineSetLauncher.batch_template = placement.batch_script(
-                cfg.slurm, mpiexec)
+            slurm = cluster.config.SlurmEngineSetLauncher
+            slurm.batch_template = placement.batch_script(cfg.slurm, mpiexec)
+            # the script beside the cluster's other files, not in the notebook's folder
+            # (the job itself starts in the notebook's folder, as the ranks' cwd)
+            scripts = Path(cluster.profile_dir) / "log"
+            scripts.mkdir(parents=True, exist_ok=True)
+            slurm.batch_file_name = str(scripts / f"mpilab-{cluster.cluster_id}.sbatch")
         else:
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
             if into_allocation:
