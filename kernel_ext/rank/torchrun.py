@@ -27,6 +27,7 @@ import functools
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -119,19 +120,13 @@ def device_backends(backend: str) -> dict[str, str]:
     return c10d.BackendConfig(c10d.Backend(backend)).get_device_backend_map()
 
 
-def unavailable(backend: str, device_type: str) -> str | None:
-    """Why `backend` cannot serve these ranks (None: it can)."""
+def backend_available(name: str) -> bool:
+    """Whether this torch has the backend `name` (gloo, nccl, mpi, or a registered one)."""
     import torch.distributed as dist
 
-    for name in sorted(set(device_backends(backend).values())):
-        if name == "nccl" and device_type != "cuda":
-            return "NCCL needs a GPU on every rank, and these ranks run on CPU"
-        available = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available,
-                     "mpi": dist.is_mpi_available}.get(name)
-        ok = available() if available else _registered(name)
-        if not ok:
-            return f"this torch has no {name} backend"
-    return None
+    check = {"nccl": dist.is_nccl_available, "gloo": dist.is_gloo_available,
+             "mpi": dist.is_mpi_available}.get(name)
+    return bool(check()) if check else _registered(name)
 
 
 def _registered(name: str) -> bool:
@@ -149,16 +144,22 @@ class Plan:
     why_not: str | None = None  # reuse although another backend was asked for: why
 
 
-def plan(requested: str | None, current: str, device_type: str) -> Plan:
+def plan(requested: str | None, current: str, device_type: str,
+         available: Callable[[str], bool] = backend_available) -> Plan:
     """Reuse the current group when it already does what `requested` asks on the devices
     these ranks have (cpu, and cuda on GPU ranks); else replace it, where possible."""
     if not requested:
         return Plan("reuse")
-    why = unavailable(requested, device_type)
-    if why:
-        return Plan("reuse", why)
     relevant = {"cpu", device_type}
     wanted = {d: b for d, b in device_backends(requested).items() if d in relevant}
+    if not wanted:
+        devices = "on CPU" if device_type == "cpu" else f"on {device_type}"
+        if "nccl" in device_backends(requested).values():
+            return Plan("reuse", f"NCCL needs a GPU on every rank, and these ranks run {devices}")
+        return Plan("reuse", f"{requested} serves none of these ranks' devices ({devices})")
+    missing = sorted(b for b in set(wanted.values()) if not available(b))
+    if missing:
+        return Plan("reuse", f"this torch has no {missing[0]} backend")
     have = device_backends(current)
     if all(have.get(d) == b for d, b in wanted.items()):
         return Plan("reuse")
@@ -229,6 +230,9 @@ class SharedGroups:
             self._retire_stand_in()
             current = str(self.dist.get_backend())
         decided = plan(requested, current, self._device)
+        if decided.action == "replace" and not hasattr(self.c10d, "_update_default_pg"):
+            decided = Plan("reuse", f"torch {_torch_version()} cannot put another group in "
+                                    "the default group's place")
         if decided.action == "replace":
             self._stand_in(requested, current, call)
             return
@@ -301,7 +305,7 @@ class SharedGroups:
         ctx = self.ctx
         self.generation += 1
         store = dist.PrefixStore(f"mpilab-torchrun/{self.generation}/", ctx.store)
-        backend = requested if requested and not unavailable(requested, self._device) \
+        backend = requested if requested and plan(requested, "", self._device).why_not is None \
             else ctx.backend
         kwargs = {"timeout": timeout} if timeout is not None else {}
         self.real_init(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
@@ -310,6 +314,12 @@ class SharedGroups:
         self.stand_in = None
         self.before_user = set(self.c10d._world.pg_map)
         note(f"init_process_group: a new {backend} group of the ranks, over mpilab's store")
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 _groups: SharedGroups | None = None

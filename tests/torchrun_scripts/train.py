@@ -93,7 +93,8 @@ def main():
                 print(f"samples/s {len(seen) * world_size / elapsed:.1f}")
 
     if rank == args.hang_rank:
-        dist.all_reduce(total)  # the other ranks never join this one
+        # the other ranks never join this one
+        dist.all_reduce(total)
     dist.destroy_process_group()
 
 

@@ -1,0 +1,318 @@
+"""Code written for torchrun runs unchanged on mpilab's ranks.
+
+Real kernels and ranks throughout: the tutorial-shaped scripts in tests/torchrun_scripts
+are pasted into `%%ranks` cells or run there with `%run`, as a researcher would. The
+shared `lab` cluster serves them; the two failure tests at the end restart its ranks
+(a blocking torch.distributed call cannot be released otherwise) and leave it usable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+from listeners import listeners_of
+from mpilab.rank import torchrun
+from mpirun import run_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "torchrun_scripts"
+TRAIN = SCRIPTS / "train.py"
+REUSED = "mpilab: init_process_group: the ranks' gloo group is reused"
+
+
+def tutorial(name: str, keep_main: bool = False) -> str:
+    """A tutorial script's text as a user pastes it; without its __main__ block (which
+    starts processes with mp.spawn) unless keep_main."""
+    text = (SCRIPTS / name).read_text()
+    return text if keep_main else text.split('if __name__ == "__main__":')[0]
+
+
+def json_lines(stdout: str) -> dict[int, dict]:
+    """rank -> object from lines '[rank r] {json}' (or '[ranks a-b] {json}')."""
+    found = {}
+    for m in re.finditer(r"^\[ranks? (\d+)(?:-(\d+))?\] (\{.*\})$", stdout, re.M):
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        for r in range(lo, hi + 1):
+            found[r] = json.loads(m.group(3))
+    return found
+
+
+def assert_group_works(lab) -> None:
+    """torch.distributed, mpilab's collectives and DataParallel over torch all work."""
+    run = lab.run("%%ranks\nimport torch\nt = torch.ones(2)\ndist.all_reduce(t)\n"
+                  "x = torch.ones(2)\nmpilab.allreduce(x)\n"
+                  "m = mpilab.DataParallel(torch.nn.Linear(4, 2), backend='torch')\n"
+                  "m(torch.randn(3, 4)).sum().backward()\n"
+                  "print(t.tolist(), x.tolist(), dist.is_initialized(), dist.get_backend())")
+    assert run.ok, run.text
+    assert "[ranks 0-1] [2.0, 2.0] [2.0, 2.0] True gloo" in run.stdout, run.text
+
+
+# -- pure logic ----------------------------------------------------------------------------
+
+
+def test_plan_reuses_what_serves_and_replaces_what_differs():
+    assert torchrun.plan(None, "gloo", "cpu") == torchrun.Plan("reuse")
+    assert torchrun.plan("gloo", "gloo", "cpu") == torchrun.Plan("reuse")
+    assert torchrun.plan("GLOO", "gloo", "cpu") == torchrun.Plan("reuse")
+    # the cuda half does not matter on CPU ranks
+    assert torchrun.plan("cpu:gloo,cuda:nccl", "gloo", "cpu") == torchrun.Plan("reuse")
+    # gloo asked on GPU ranks whose group is NCCL: another group is made, as asked (a
+    # GPU build of torch has both)
+    def gpu_build(name):
+        return name in ("gloo", "nccl")
+
+    assert torchrun.plan("gloo", "nccl", "cuda", gpu_build) == torchrun.Plan("replace")
+    assert torchrun.plan("cpu:gloo,cuda:nccl", "nccl", "cuda", gpu_build) \
+        == torchrun.Plan("replace")
+    assert torchrun.plan("nccl", "nccl", "cuda", gpu_build) == torchrun.Plan("reuse")
+    assert torchrun.plan("nccl", "gloo", "cuda", gpu_build) == torchrun.Plan("replace")
+    # what cannot be honoured says why (this torch is a CPU build)
+    nccl = torchrun.plan("nccl", "gloo", "cpu")
+    assert nccl.action == "reuse" and nccl.why_not == (
+        "NCCL needs a GPU on every rank, and these ranks run on CPU")
+    assert torchrun.plan("mpi", "gloo", "cpu").why_not == "this torch has no mpi backend"
+    assert torchrun.plan("nccl", "gloo", "cuda", lambda name: name == "gloo").why_not \
+        == "this torch has no nccl backend"
+
+
+def test_spawn_message_names_the_call_to_make_instead():
+    def demo_basic(rank, world_size):
+        pass
+
+    line = torchrun.spawn_message(demo_basic, (2,), 2, 2)
+    assert "\n" not in line
+    assert "mp.spawn would start 2 more processes on each of the 2 ranks" in line
+    assert "call demo_basic(rank, 2) instead, on every rank" in line
+
+
+# -- on the shared cluster ---------------------------------------------------------------------
+
+
+def test_ranks_carry_torchrun_environment(lab):
+    run = lab.run(
+        "%%ranks\nimport json, os\n"
+        "keys = ['RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK',\n"
+        "        'GROUP_WORLD_SIZE', 'ROLE_RANK', 'MASTER_ADDR', 'MASTER_PORT']\n"
+        "env = {k: os.environ[k] for k in keys}\n"
+        "env['store'] = list(mpilab.context().store_address)\n"
+        "env['local_rank_as_torchrun_code_reads_it'] = int(os.environ['LOCAL_RANK'])\n"
+        "print(json.dumps(env))")
+    assert run.ok, run.text
+    env = json_lines(run.stdout)
+    assert set(env) == {0, 1}, run.text
+    for r in (0, 1):
+        e = env[r]
+        assert (e["RANK"], e["LOCAL_RANK"], e["ROLE_RANK"]) == (str(r),) * 3
+        assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == ("2", "2")
+        assert (e["GROUP_RANK"], e["GROUP_WORLD_SIZE"]) == ("0", "1")  # one host
+        assert e["local_rank_as_torchrun_code_reads_it"] == r
+        # MASTER_ADDR/PORT name the store of the group mpilab set up: on loopback here
+        assert [e["MASTER_ADDR"], int(e["MASTER_PORT"])] == e["store"]
+        assert e["MASTER_ADDR"] == "127.0.0.1"
+
+
+def test_ddp_tutorial_runs_unchanged_and_again(lab):
+    """The tutorial's setup() (MASTER_PORT=12355, init_process_group("gloo", rank=…,
+    world_size=…)), a DDP step and cleanup() (destroy_process_group), twice."""
+    cell = "%%ranks\n" + tutorial("ddp_basic.py") + "\ndemo_basic(rank, world_size)\n"
+    for _ in range(2):
+        run = lab.run(cell)
+        assert run.ok, run.text
+        assert "initialize the default process group twice" not in run.text
+        assert run.text.count(REUSED) == 1, run.text  # once per cell, for both ranks
+        assert f"[ranks 0-1] {REUSED} (ranks 0-1; mpilab set it up)" in run.stderr
+        for r in (0, 1):
+            assert f"rank {r}: one DDP step done, weights equal to rank 0's: True" in run.stdout
+            assert f"Finished running basic DDP example on rank {r}." in run.stdout
+    # the user's MASTER_PORT opened nothing: every rank still listens on loopback only,
+    # and nobody on 12355
+    found = [x for x in listeners_of(lab.km.provisioner.process.pid)
+             if "--mpilab-engine-child" in x.command]
+    assert found and all(x.ip == "127.0.0.1" for x in found), found
+    assert all(x.port != 12355 for x in found), found
+    # destroy_process_group() left the next cell a working group, mpilab's included
+    assert_group_works(lab)
+
+
+def test_mp_spawn_gets_one_line_saying_what_to_do(lab):
+    # the whole tutorial pasted, __main__ block included (a cell's __name__ is __main__)
+    run = lab.run("%%ranks\n" + tutorial("ddp_basic.py", keep_main=True))
+    assert not run.ok
+    err = run.error_text
+    assert err.count("mp.spawn would start 2 more processes on each of the 2 ranks") == 1, err
+    assert "[ranks 0-1] failed:" in err
+    assert "call demo_basic(rank, 2) instead, on every rank" in err
+    # nothing was started
+    assert "Running basic DDP example" not in run.stdout
+
+
+def test_checkpoint_tutorial_saves_on_rank0_and_loads_with_map_location(lab, tmp_path):
+    run = lab.run("%%ranks\n" + tutorial("ddp_checkpoint.py")
+                  + f"\ndemo_checkpoint(rank, world_size, {str(tmp_path)!r})\n")
+    assert run.ok, run.text
+    for r in (0, 1):
+        assert f"rank {r}: loaded rank 0's checkpoint: True" in run.stdout, run.text
+        assert f"Finished running DDP checkpoint example on rank {r}." in run.stdout
+    assert not (tmp_path / "model.checkpoint").exists()  # rank 0 removed it
+
+
+def test_run_script_with_argparse_sampler_and_set_epoch(lab):
+    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 2 --samples 256\n"
+                  "import sys\nprint('after:', __name__, sys.argv[0].endswith('train.py'),"
+                  " callable(make_dataset))")
+    assert run.ok, run.text
+    epochs = re.findall(r"\[rank 0\] epoch (\d): loss [\d.]+, every sample once: True, "
+                        r"first samples (\[[\d, ]+\])", run.stdout)
+    assert [e for e, _ in epochs] == ["0", "1"], run.text
+    assert epochs[0][1] != epochs[1][1]  # set_epoch: another order in epoch 1
+    # %run restores the notebook's names and argv, and leaves the script's globals
+    after = re.findall(r"^\[ranks? ([\d-]+)\] after: (.*)$", run.stdout, re.M)
+    assert after and {line for _, line in after} == {"__main__ False True"}, run.text
+    assert run.text.count(REUSED) == 1
+    assert_group_works(lab)
+
+
+def test_run_script_bad_arguments_fail_the_cell_with_argparse_message(lab):
+    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 1 --bogus")
+    assert not run.ok
+    assert "[ranks 0-1] train.py: error: unrecognized arguments: --bogus" in run.stderr
+    assert run.error_text.count("train.py exited with status 2") == 1, run.error_text
+    assert "To exit: use" not in run.text
+
+
+def test_init_process_group_variants(lab):
+    run = lab.run(
+        "%%ranks\nimport torch\nimport torch.distributed as dist\n"
+        "dist.init_process_group(backend='nccl')\n"
+        "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:23456', rank=rank,"
+        " world_size=world_size)\n"
+        "sub = dist.new_group([0, 1])\n"
+        "dist.destroy_process_group()\n"
+        "try:\n    dist.get_backend(sub)\nexcept ValueError as e:\n"
+        "    print('subgroup gone:', type(e).__name__)\n"
+        "try:\n    dist.init_process_group('gloo', rank=0, world_size=1)\n"
+        "except ValueError as e:\n    print('mismatch:', e)\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\nprint('sum', t.item())")
+    assert run.ok, run.text
+    assert ("[ranks 0-1] mpilab: init_process_group('nccl'): NCCL needs a GPU on every rank, "
+            "and these ranks run on CPU; the ranks' gloo group serves instead") in run.stderr
+    assert run.text.count(REUSED) == 1, run.text
+    assert "[ranks 0-1] subgroup gone: ValueError" in run.stdout, run.text
+    assert re.search(r"\[rank 0\] mismatch: init_process_group\(rank=0, world_size=1\) does "
+                     r"not match these ranks \(this is rank 0 of 2\)", run.stdout), run.text
+    assert "[ranks 0-1] sum 2.0" in run.stdout
+
+
+# -- batch mode: mpilab.init() in a script under mpiexec ------------------------------------------
+
+
+def test_batch_script_gets_the_same_environment_and_group_handling():
+    results = run_ranks("""
+import os, torch
+import torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.destroy_process_group()
+dist.init_process_group("gloo")
+u = torch.ones(1)
+dist.all_reduce(u)
+report({"env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                            "MASTER_ADDR", "MASTER_PORT")},
+        "store": list(ctx.store_address), "sums": [t.item(), u.item()]})
+""")
+    for r, got in enumerate(results):
+        assert got["env"]["RANK"] == got["env"]["LOCAL_RANK"] == str(r)
+        assert got["env"]["WORLD_SIZE"] == "2"
+        assert [got["env"]["MASTER_ADDR"], int(got["env"]["MASTER_PORT"])] == got["store"]
+        assert got["sums"] == [2.0, 2.0]
+
+
+def test_another_backend_stands_in_and_destroy_brings_mpilabs_back():
+    """The path a GPU cluster takes when a script asks gloo where mpilab chose NCCL: on
+    this CPU machine the plan is told that gloo differs, so the stand-in group, its
+    collectives and its retirement run for real."""
+    results = run_ranks("""
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from mpilab.rank import torchrun
+mine = c10d._get_default_group()
+torchrun.plan = lambda requested, current, device: torchrun.Plan("replace")
+dist.init_process_group("gloo")
+stand_in = c10d._get_default_group()
+t = torch.ones(1)
+dist.all_reduce(t)
+x = torch.ones(1)
+mpilab.allreduce(x, backend="torch")
+dist.destroy_process_group()
+back = c10d._get_default_group()
+u = torch.ones(1)
+dist.all_reduce(u)
+report({"replaced": stand_in is not mine, "restored": back is mine,
+        "stand_in_gone": stand_in not in c10d._world.pg_map,
+        "sums": [t.item(), x.item(), u.item()]})
+""")
+    for got in results:
+        assert got == {"replaced": True, "restored": True, "stand_in_gone": True,
+                       "sums": [2.0, 2.0, 2.0]}, got
+
+
+# -- the example notebook ---------------------------------------------------------------------
+
+
+def test_torchrun_notebook_runs(tmp_path):
+    out, html = tmp_path / "05.ipynb", tmp_path / "05.html"
+    mpilab = str(Path(sys.executable).parent / "mpilab")
+    proc = subprocess.run([mpilab, "run", str(ROOT / "notebooks" / "05_torchrun.ipynb"),
+                           "-o", str(out), "--html", str(html)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    nb = nbformat.read(out, as_version=4)
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors, errors
+    text = "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "")
+                     for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert REUSED in text
+    # the script ran twice through %run, then the same model under mpilab.DataParallel
+    finals = re.findall(r"\[rank 0\] epoch 2: loss [\d.]+, train accuracy ([\d.]+)", text)
+    assert len(finals) == 2, text[-3000:]
+    assert all(float(a) > 0.9 for a in finals), finals
+    assert "mpilab dashboard: 2 ranks" in text
+
+
+# -- failures (these restart the shared cluster's ranks; keep them last) ------------------------
+
+
+def test_rank_raising_in_ddp_backward_of_a_script_restarts_with_the_promised_message(lab):
+    start = time.monotonic()
+    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 1 --fail-rank 1", timeout=180)
+    took = time.monotonic() - start
+    assert not run.ok
+    assert took < 60, took  # the bound of README's direct torch collective row
+    err = run.error_text
+    assert err.count("RuntimeError: rank 1 failed in backward") == 1, err
+    assert 'train.py", line' in err and "kernel_ext" not in err
+    assert re.search(r"rank 0 was at train\.py line \d+: loss\.backward\(\) when rank 1 "
+                     r"failed", err), err
+    assert "restarted the ranks: their state was lost" in err
+    assert_group_works(lab)
+
+
+def test_script_hang_in_a_direct_collective_is_diagnosed(lab):
+    run = lab.run(f"%%ranks --hang-timeout 3\n%run {TRAIN} --epochs 1 --samples 128 "
+                  "--hang-rank 0", timeout=180)
+    assert not run.ok
+    err = run.error_text
+    assert re.search(r"hang: rank 0 has been at train\.py line \d+: dist\.all_reduce\(total\) "
+                     r"for \d+\.\d s, and rank 1 finished the cell without joining it", err), err
+    assert "restarted the ranks: their state was lost" in err
+    assert_group_works(lab)
+
