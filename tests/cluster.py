@@ -39,6 +39,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -49,11 +50,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-RUN_DIR = Path(os.environ.get("MPILAB_TESTCLUSTER_DIR", "/tmp/mpilab-testcluster"))
-LOCK_FILE = RUN_DIR.with_name(RUN_DIR.name + ".lock")
+BASE_DIR = os.environ.get("MPILAB_TESTCLUSTER_DIR", "/tmp/mpilab-testcluster")
 SUBNET = os.environ.get("MPILAB_TESTCLUSTER_SUBNET", "10.213.0")  # a /24: SUBNET.0/24
-PREFIX = "mpilab-"
-BRIDGE = PREFIX + "br0"
+INSTANCES = "abcdefghijklmnopqrstuvwxyz0123456789"
 HEAD_NAME = "head"
 SSH_PORT = 22
 SLURMCTLD_PORT = 16817
@@ -70,6 +69,47 @@ class ClusterError(RuntimeError):
     """The emulated cluster cannot be brought up, or is held by someone else."""
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where one cluster lives: its names' prefix, subnet and run directory.
+
+    The default instance ("") is the one the tests' fixture and the command line use:
+    `mpilab-br0`, `mpilab-node1`, SUBNET, BASE_DIR. Another instance (one letter or digit,
+    `x`) lives beside it: `mpilab-x-br0`, `mpilab-x-node1`, 10.213.N, BASE_DIR-x.
+    """
+    instance: str = ""
+
+    def __post_init__(self):
+        if self.instance and (len(self.instance) != 1 or self.instance not in INSTANCES):
+            raise ClusterError(f"an instance is one of a-z or 0-9, got {self.instance!r}")
+
+    @property
+    def prefix(self) -> str:
+        return "mpilab-" + (f"{self.instance}-" if self.instance else "")
+
+    @property
+    def bridge(self) -> str:
+        return self.prefix + "br0"
+
+    @property
+    def subnet(self) -> str:
+        if not self.instance:
+            return SUBNET
+        return f"10.213.{1 + INSTANCES.index(self.instance)}"
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(BASE_DIR + (f"-{self.instance}" if self.instance else ""))
+
+    @property
+    def lock_file(self) -> Path:
+        return Path(str(self.run_dir) + ".lock")
+
+    def ours(self, name: str) -> bool:
+        """Whether a link or network namespace name is one this instance creates."""
+        return re.fullmatch(re.escape(self.prefix) + r"(br0|node\d+)", name) is not None
+
+
 # ---------------------------------------------------------------------------------------
 # small process helpers
 
@@ -84,7 +124,8 @@ def _sh(*argv: str, check: bool = True, timeout: float = 30, **kw) -> subprocess
 
 
 def _start_time(pid: int) -> int | None:
-    """The kernel's start time of `pid` (clock ticks after boot), None if it is gone.
+    """The kernel's start time of `pid` (clock ticks after boot), None if it is gone or
+    a zombie.
 
     Recorded with every pid so that a pid reused by someone else's process is never
     signalled.
@@ -93,7 +134,8 @@ def _start_time(pid: int) -> int | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _alive(pid: int, start: int | None) -> bool:
@@ -179,6 +221,7 @@ class State:
     owner: int                       # pid of the process that brought the cluster up
     owner_start: int | None
     manual: bool                     # brought up by `python -m tests.cluster up`
+    instance: str
     subnet: str
     nodes: list[Node] = field(default_factory=list)
     head: dict[str, Proc] = field(default_factory=dict)   # munged, slurmctld
@@ -190,14 +233,15 @@ class State:
     ready: bool = False
 
     def save(self) -> None:
-        tmp = RUN_DIR / "state.json.tmp"
+        run_dir = Layout(self.instance).run_dir
+        tmp = run_dir / "state.json.tmp"
         tmp.write_text(json.dumps(_to_json(self), indent=1))
-        tmp.replace(RUN_DIR / "state.json")
+        tmp.replace(run_dir / "state.json")
 
     @classmethod
-    def load(cls) -> State | None:
+    def load(cls, layout: Layout) -> State | None:
         try:
-            raw = json.loads((RUN_DIR / "state.json").read_text())
+            raw = json.loads((layout.run_dir / "state.json").read_text())
         except (OSError, ValueError):
             return None
         nodes = []
@@ -234,30 +278,32 @@ class EmulatedCluster:
 
     def __init__(self, nodes: Sequence[str] = ("node1", "node2"), *, slurm: bool = True,
                  ssh: bool = True, cpus_per_node: int | None = None,
-                 lock_timeout: float = 900.0):
+                 lock_timeout: float = 900.0, instance: str = ""):
+        self.layout = lay = Layout(instance)
         for name in nodes:
-            if not (name.startswith("node") and name[4:].isdigit() and 0 < int(name[4:]) < 200):
-                raise ClusterError(f"node names are node1..node199, got {name!r}")
+            if not (name.startswith("node") and name[4:].isdigit() and 0 < int(name[4:]) < 100):
+                raise ClusterError(f"node names are node1..node99, got {name!r}")
         self.nodes: list[Node] = [
-            Node(name=n, address=f"{SUBNET}.{10 + int(n[4:])}", netns=PREFIX + n,
-                 link=PREFIX + n) for n in nodes]
+            Node(name=n, address=f"{lay.subnet}.{10 + int(n[4:])}", netns=lay.prefix + n,
+                 link=lay.prefix + n) for n in nodes]
         self.slurm = slurm
         self.ssh = ssh
         # Slurm's CPUs per node: what slurmd finds (this machine's cores) unless told;
         # more is allowed (SlurmdParameters=config_overrides) for tests that oversubscribe.
         self.cpus_per_node = cpus_per_node or os.cpu_count() or 1
         self.lock_timeout = lock_timeout
-        self.head_address = f"{SUBNET}.1"
-        self.head_interface = BRIDGE
+        self.head_address = f"{lay.subnet}.1"
+        self.head_interface = lay.bridge
         self.head_name = HEAD_NAME
-        self.run_dir = RUN_DIR
-        self.ssh_dir = RUN_DIR / "ssh"
-        self.ssh_wrapper = RUN_DIR / "bin" / "ssh"
-        self.slurm_conf = RUN_DIR / "slurm" / "slurm.conf"
-        self.munge_socket = RUN_DIR / "munge" / "munge.socket.2"
-        self.log_dir = RUN_DIR / "log"
+        self.run_dir = run = lay.run_dir
+        self.ssh_dir = run / "ssh"
+        self.ssh_wrapper = run / "bin" / "ssh"
+        self.slurm_conf = run / "slurm" / "slurm.conf"
+        self.munge_socket = run / "munge" / "munge.socket.2"
+        self.log_dir = run / "log"
         self._lock_fd: int | None = None
         self._state: State | None = None
+        self._children: list[subprocess.Popen] = []  # reaped in down()
 
     # -- public surface ------------------------------------------------------------------
 
@@ -332,7 +378,8 @@ class EmulatedCluster:
         chosen = [self.node(n) for n in (nodes or self.names)]
         lines = [f"{n.address if by == 'address' else n.name}:{slots_per_node}\n"
                  for n in chosen]
-        out = Path(path) if path else RUN_DIR / f"hostfile-{len(chosen)}x{slots_per_node}-{by}"
+        name = f"hostfile-{'-'.join(n.name for n in chosen)}-{slots_per_node}-{by}"
+        out = Path(path) if path else self.run_dir / name
         out.write_text("".join(lines))
         return out
 
@@ -395,6 +442,21 @@ class EmulatedCluster:
         keep |= {d.pid for d in n.daemons.values()}
         return [p for p in self.pids_on(node) if p not in keep]
 
+    def leftover_processes(self, nodes: Sequence[str] | None = None, timeout: float = 10,
+                           ) -> dict[str, dict[int, str]]:
+        """Wait up to `timeout` s for `nodes` (all by default) to hold nothing but their
+        init and daemons; return what is still there, {node: {pid: command line}}, empty
+        when all is gone. An ssh session's sshd lingers a moment after its command exits."""
+        nodes = list(nodes or self.names)
+        deadline = time.monotonic() + timeout
+        while True:
+            left = {n: procs for n in nodes
+                    if (procs := {p: cmd for p, cmd in self.processes_on(n).items()
+                                  if p in set(self.user_pids_on(n))})}
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.1)
+
     def kill_all_on(self, node: str, *, daemons: bool = False) -> list[int]:
         """SIGKILL the processes on `node`: what jobs and logins left, or (daemons=True)
         the whole node, its init, sshd and slurmd included (a crashed host; `down()` then
@@ -442,12 +504,12 @@ class EmulatedCluster:
 
     def status(self) -> dict:
         """What runs now: per node its address, init and daemons alive; Slurm's view."""
-        state = State.load()
+        state = State.load(self.layout)
         if state is None:
             return {"up": False}
-        info: dict = {"up": state.ready, "run_dir": str(RUN_DIR), "owner": state.owner,
+        info: dict = {"up": state.ready, "run_dir": str(self.run_dir), "owner": state.owner,
                       "manual": state.manual, "head": {
-                          "address": f"{state.subnet}.1", "interface": BRIDGE,
+                          "address": f"{state.subnet}.1", "interface": self.head_interface,
                           **{k: {"pid": p.pid, "alive": p.alive()} for k, p in state.head.items()}},
                       "nodes": {}}
         for n in state.nodes:
@@ -469,14 +531,15 @@ class EmulatedCluster:
         self._preflight()
         self._acquire_lock()
         try:
-            previous = State.load()
+            previous = State.load(self.layout)
             if previous is not None and previous.manual and self._is_live(previous):
                 raise ClusterError(
-                    f"a test cluster brought up by hand is running ({RUN_DIR}): "
+                    f"a test cluster brought up by hand is running ({self.run_dir}): "
                     "take it down first with `python -m tests.cluster down`")
-            _teardown(previous)
+            _teardown(self.layout, previous)
             self._state = State(owner=os.getpid(), owner_start=_start_time(os.getpid()),
-                                manual=False, subnet=SUBNET, slurm=self.slurm, ssh=self.ssh)
+                                manual=False, instance=self.layout.instance,
+                                subnet=self.layout.subnet, slurm=self.slurm, ssh=self.ssh)
             self._make_run_dir()
             self._state.save()
             self._network()
@@ -507,26 +570,41 @@ class EmulatedCluster:
                                "openssh-server slurm-wlm munge (as .ci/run does)")
 
     def _acquire_lock(self) -> None:
-        fd = os.open(LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        """Hold the instance's lock file (flock) until `down()`, waiting up to lock_timeout.
+
+        The holder unlinks the file when it lets go, so none is left behind; a waiter that
+        got the lock of a file unlinked meanwhile tries again with the new one.
+        """
+        path = self.layout.lock_file
         deadline = time.monotonic() + self.lock_timeout
         while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
             except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                os.close(fd)
                 if time.monotonic() > deadline:
-                    holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-                    os.close(fd)
                     raise ClusterError(
-                        f"the test cluster is in use by pid {holder} (lock {LOCK_FILE}); "
-                        f"waited {self.lock_timeout:.0f} s") from None
+                        f"the test cluster is in use by pid {holder} "
+                        f"(lock {path}); waited {self.lock_timeout:.0f} s") from None
                 time.sleep(0.5)
+                continue
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.layout.lock_file)
             os.close(self._lock_fd)   # closing drops the flock
             self._lock_fd = None
 
@@ -536,28 +614,29 @@ class EmulatedCluster:
             n.init is not None and n.init.alive() for n in state.nodes)
 
     def _make_run_dir(self) -> None:
-        RUN_DIR.mkdir(mode=0o700, exist_ok=False)
+        self.run_dir.mkdir(mode=0o700, exist_ok=False)
         for sub in ("ssh", "bin", "log", "munge", "slurm", "nodes"):
-            (RUN_DIR / sub).mkdir(mode=0o700)
+            (self.run_dir / sub).mkdir(mode=0o700)
 
     def _check_subnet_free(self) -> None:
         routes = _sh("ip", "-4", "route", "show", "table", "all").stdout
         addrs = _sh("ip", "-4", "-o", "addr", "show").stdout
-        prefix = SUBNET + "."
-        clash = [line for line in (routes + addrs).splitlines() if prefix in line]
+        subnet = self.layout.subnet
+        clash = [line for line in (routes + addrs).splitlines() if subnet + "." in line]
         if clash:
-            raise ClusterError(f"the test subnet {SUBNET}.0/24 is in use here ({clash[0].strip()});"
+            raise ClusterError(f"the test subnet {subnet}.0/24 is in use here ({clash[0].strip()});"
                                " set MPILAB_TESTCLUSTER_SUBNET to a free one, e.g. 10.214.0")
 
     def _network(self) -> None:
         st = self._state
         self._check_subnet_free()
-        _sh("ip", "link", "add", BRIDGE, "type", "bridge")
-        st.links.append(BRIDGE)
+        bridge = self.head_interface
+        _sh("ip", "link", "add", bridge, "type", "bridge")
+        st.links.append(bridge)
         st.save()
-        _set_sysctl(f"net/ipv6/conf/{BRIDGE}/disable_ipv6", "1")
-        _sh("ip", "addr", "add", f"{self.head_address}/24", "dev", BRIDGE)
-        _sh("ip", "link", "set", BRIDGE, "up")
+        _set_sysctl(f"net/ipv6/conf/{bridge}/disable_ipv6", "1")
+        _sh("ip", "addr", "add", f"{self.head_address}/24", "dev", bridge)
+        _sh("ip", "link", "set", bridge, "up")
         hosts = self._hosts_file()
         for n in self.nodes:
             _sh("ip", "netns", "add", n.netns)
@@ -568,7 +647,7 @@ class EmulatedCluster:
             st.links.append(n.link)
             st.save()
             _set_sysctl(f"net/ipv6/conf/{n.link}/disable_ipv6", "1")
-            _sh("ip", "link", "set", n.link, "master", BRIDGE, "up")
+            _sh("ip", "link", "set", n.link, "master", bridge, "up")
             _sh("ip", "-n", n.netns, "link", "set", "lo", "up")
             _sh("ip", "netns", "exec", n.netns, "sh", "-c",
                 "echo 1 > /proc/sys/net/ipv6/conf/eth0/disable_ipv6")
@@ -598,7 +677,7 @@ class EmulatedCluster:
         (d / "authorized_keys").write_text((d / "id_ed25519.pub").read_text())
         known = []
         for n in self.nodes:
-            nd = RUN_DIR / "nodes" / n.name
+            nd = self.run_dir / "nodes" / n.name
             nd.mkdir(mode=0o700, exist_ok=True)
             _sh("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", n.name,
                 "-f", str(nd / "ssh_host_ed25519_key"))
@@ -612,7 +691,7 @@ class EmulatedCluster:
             f'exec /usr/bin/ssh -F {d / "config"} "$@"\n')
         self.ssh_wrapper.chmod(0o755)
         # the run directory is root's alone; the wrapper lives in it
-        (RUN_DIR / "bin").chmod(0o755)
+        (self.run_dir / "bin").chmod(0o755)
 
     def _ssh_config(self) -> str:
         d = self.ssh_dir
@@ -637,7 +716,7 @@ class EmulatedCluster:
         return "\n".join(out)
 
     def _start_munge(self) -> None:
-        d = RUN_DIR / "munge"
+        d = self.run_dir / "munge"
         key = d / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o600)
@@ -651,6 +730,7 @@ class EmulatedCluster:
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
+        self._children.append(proc)
         self._state.head["munged"] = Proc.of(proc.pid)
         self._state.save()
         _wait_for(lambda: self.munge_socket.exists() or proc.poll() is not None, 10,
@@ -660,7 +740,7 @@ class EmulatedCluster:
                                + _tail(self.log_dir / "munged.log"))
 
     def _write_slurm_conf(self) -> None:
-        s = RUN_DIR / "slurm"
+        s = self.run_dir / "slurm"
         (s / "ctld").mkdir(mode=0o700, exist_ok=True)
         conf = f"""\
 # slurm.conf of the emulated test cluster (tests/cluster.py); one per run
@@ -726,7 +806,7 @@ UnkillableStepTimeout=10
 
     def _start_slurmctld(self) -> None:
         log = open(self.log_dir / "slurmctld.out", "wb")
-        hosts = RUN_DIR / "slurm" / "hosts"
+        hosts = self.run_dir / "slurm" / "hosts"
         hosts.write_text(self._hosts_file())
         # Its own UTS namespace: slurmctld runs only on a host named as SlurmctldHost says.
         # Its own mount namespace, with the cluster's hosts file: it resolves its own name
@@ -738,12 +818,13 @@ UnkillableStepTimeout=10
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env=self.slurm_env())
         log.close()
+        self._children.append(proc)
         self._state.head["slurmctld"] = Proc.of(proc.pid)
         self._state.save()
 
     def _start_nodes(self) -> None:
         for n in self.nodes:
-            nd = RUN_DIR / "nodes" / n.name
+            nd = self.run_dir / "nodes" / n.name
             nd.mkdir(mode=0o700, exist_ok=True)
             daemons = []
             if self.ssh:
@@ -764,6 +845,7 @@ UnkillableStepTimeout=10
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
             log.close()
+            self._children.append(holder)
             n.holder = Proc.of(holder.pid)
             self._state.nodes = self.nodes
             self._state.save()
@@ -779,7 +861,7 @@ UnkillableStepTimeout=10
 
     def _wait_ready(self, deadline: float) -> None:
         for n in self.nodes:
-            ready = RUN_DIR / "nodes" / n.name / "ready.json"
+            ready = self.run_dir / "nodes" / n.name / "ready.json"
             _wait_for(lambda ready=ready, n=n: ready.exists() or not n.init.alive(),
                       deadline - time.monotonic(), f"{n.name}'s daemons to start")
             if not n.init.alive():
@@ -819,11 +901,15 @@ UnkillableStepTimeout=10
     def down(self) -> None:
         """Take everything down (see the module doc); safe to call twice."""
         try:
-            state = State.load()
+            state = State.load(self.layout)
             if state is None and self._state is not None:
                 state = self._state
-            _teardown(state, self.nodes)
+            _teardown(self.layout, state, self.nodes)
         finally:
+            for child in self._children:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=1)
+            self._children = []
             self._state = None
             for n in self.nodes:
                 n.init = n.holder = None
@@ -895,19 +981,31 @@ def _netns_pids(netns: str) -> list[int]:
     return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
 
 
-def _our_netns() -> list[str]:
+def _our_netns(layout: Layout) -> list[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     names = [line.split()[0] for line in out.splitlines() if line.strip()]
-    return [n for n in names if n.startswith(PREFIX + "node")]
+    return [n for n in names if layout.ours(n)]
 
 
-def _our_links() -> list[str]:
+def _our_links(layout: Layout) -> list[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-    return [n for n in names if n.startswith(PREFIX)]
+    return [n for n in names if layout.ours(n)]
 
 
-def _teardown(state: State | None, nodes: Sequence[Node] = ()) -> None:
+def leftovers(layout: Layout = Layout()) -> list[str]:
+    """What of `layout`'s cluster exists now (empty after a clean `down`)."""
+    found = [f"netns {n}" for n in _our_netns(layout)]
+    found += [f"link {n}" for n in _our_links(layout)]
+    etc = Path("/etc/netns")
+    if etc.is_dir():
+        found += [f"{p}" for p in etc.iterdir() if layout.ours(p.name)]
+    if layout.run_dir.exists():
+        found.append(str(layout.run_dir))
+    return found
+
+
+def _teardown(layout: Layout, state: State | None, nodes: Sequence[Node] = ()) -> None:
     """End and remove everything `state` records, then whatever else carries our names."""
     victims: list[tuple[int, int | None]] = []
     node_records = list(state.nodes) if state else []
@@ -919,7 +1017,7 @@ def _teardown(state: State | None, nodes: Sequence[Node] = ()) -> None:
                 victims.append((p.pid, p.start))
     # whatever still runs in our network namespaces (a test's own `ip netns exec`, or a
     # crashed run's nodes when its state file is gone) is ours by construction
-    netns = set(_our_netns()) | set(state.netns if state else [])
+    netns = set(_our_netns(layout)) | set(state.netns if state else [])
     for ns in netns:
         for pid in _netns_pids(ns):
             start = _start_time(pid)
@@ -933,20 +1031,20 @@ def _teardown(state: State | None, nodes: Sequence[Node] = ()) -> None:
     for pid, start in victims:
         _kill(pid, start)
     _wait_gone(victims, 5)
-    for link in set(_our_links()) | set(state.links if state else []):
+    for link in set(_our_links(layout)) | set(state.links if state else []):
         subprocess.run(["ip", "link", "del", link], capture_output=True)
     for ns in netns:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
     etc = Path("/etc/netns")
     stale = set(state.etc_netns if state else [])
     if etc.is_dir():
-        stale |= {str(p) for p in etc.iterdir() if p.name.startswith(PREFIX)}
+        stale |= {str(p) for p in etc.iterdir() if layout.ours(p.name)}
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
     with contextlib.suppress(OSError):
         if etc.is_dir() and not any(etc.iterdir()):
             etc.rmdir()
-    shutil.rmtree(RUN_DIR, ignore_errors=True)
+    shutil.rmtree(layout.run_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -988,6 +1086,8 @@ def _node_init(spec_path: str) -> None:
 def _cli(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.cluster",
                                      description="The emulated multi-host test cluster.")
+    parser.add_argument("--instance", default="",
+                        help="a second cluster beside the default one: one of a-z, 0-9")
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_up = sub.add_parser("up", help="bring it up (and leave it up)")
     p_up.add_argument("--nodes", type=int, default=2, help="how many nodes (default 2)")
@@ -1008,7 +1108,7 @@ def _cli(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "up":
         c = EmulatedCluster([f"node{i}" for i in range(1, args.nodes + 1)],
                             slurm=not args.no_slurm, ssh=not args.no_ssh,
-                            cpus_per_node=args.cpus, lock_timeout=0)
+                            cpus_per_node=args.cpus, lock_timeout=0, instance=args.instance)
         try:
             c.up()
         except ClusterError as e:
@@ -1018,15 +1118,17 @@ def _cli(argv: Sequence[str] | None = None) -> int:
         c._state.save()
         c._release_lock()
         print(f"up in {c.up_seconds:.1f} s: " + ", ".join(
-            f"{n.name}={n.address}" for n in c.nodes) + f"; head={c.head_address} ({BRIDGE})")
+            f"{n.name}={n.address}" for n in c.nodes)
+            + f"; head={c.head_address} ({c.head_interface})")
         print("environment for the head side:")
         for k, v in c.env().items():
+            if k == "PATH":
+                v = f"{c.ssh_wrapper.parent}:$PATH"
             print(f"  export {k}={v}")
-        print(f"ssh: {c.ssh_wrapper} node1 hostname")
+        print(f"then: ssh node1 hostname; sinfo; {c.run_dir / 'log'} has the daemons' logs")
         return 0
     if args.cmd == "down":
-        c = EmulatedCluster(())
-        c.lock_timeout = 0
+        c = EmulatedCluster((), lock_timeout=0, instance=args.instance)
         try:
             c._acquire_lock()
         except ClusterError as e:
@@ -1035,9 +1137,13 @@ def _cli(argv: Sequence[str] | None = None) -> int:
                       "(--force to take it down now)", file=sys.stderr)
                 return 1
         c.down()
+        left = leftovers(c.layout)
+        if left:
+            print(f"error: still there after down: {', '.join(left)}", file=sys.stderr)
+            return 1
         print("down: no test namespaces, links, daemons or run directory left")
         return 0
-    info = EmulatedCluster(()).status()
+    info = EmulatedCluster((), instance=args.instance).status()
     print(json.dumps(info, indent=1))
     return 0
 
