@@ -1,24 +1,37 @@
 """Instrumented, interruptible collectives on tensors: allreduce, broadcast, allgather, barrier.
 
-Every call is announced to the rank agent (``agent.collective``) so heartbeats show which
+Every call is announced to the rank agent (``waiting.collective``) so heartbeats show which
 collective a rank is in and the dashboard gets a comm span; every wait polls a
 non-blocking request so the notebook's stop button lands within milliseconds.
 
 Two transports: MPI (mpi4py on NumPy views of CPU tensors; GPU tensors are staged
-through host memory) and torch.distributed (gloo on CPU, NCCL on GPU). ``backend="auto"``
-picks MPI for CPU tensors and torch.distributed for GPU tensors. mpilab's own MPI
-traffic runs on a private duplicate of COMM_WORLD, so a user's messages on ``comm``
+through pinned host memory) and torch.distributed (gloo on CPU, NCCL on GPU).
+``backend="auto"`` picks torch.distributed for a GPU tensor when the ranks' group runs a
+GPU backend on it (NCCL), and MPI otherwise: for CPU tensors (mpilab's shared-memory
+path beats gloo), and for GPU tensors of ranks that share GPUs over gloo. mpilab's own
+MPI traffic runs on a private duplicate of COMM_WORLD, so a user's messages on ``comm``
 can never match mpilab's.
+
+After an abort (``waiting.recover``), the torch.distributed group is aborted and made
+again on every rank when it may hold a broken collective: always for NCCL (a user's
+direct call may have left one queued on the GPU), and for gloo when a wait on it was
+abandoned. A group torch cannot abort makes the recovery fail, and the notebook then
+restarts the ranks.
+
+GPU placement (one rank per GPU, by node-local rank) is checked here too, as plain
+functions the bootstrap calls: ``gpu_for_rank`` and ``placement_error``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 
-from . import agent as agent_mod
 from . import bootstrap, waiting
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
@@ -64,16 +77,51 @@ def private_comm(name: str = "collectives") -> Any:
     if not _comms:
         _make_comms()
         waiting.on_recover(_renew_comms)
+        waiting.on_recover(_renew_torch_group)
     return _comms[name]
 
 
+# ------------------------------------------------------------------ choosing a backend
+@functools.lru_cache(maxsize=16)
+def device_backends(backend: str) -> dict[str, str]:
+    """The backend serving each device type in a group of `backend`: 'nccl' →
+    {'cuda': 'nccl'}, 'gloo' → {'cpu': 'gloo', 'cuda': 'gloo'}, 'cpu:gloo,cuda:nccl' as
+    written."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return dict(c10d.BackendConfig(c10d.Backend(backend)).get_device_backend_map())
+
+
+def group_backends() -> dict[str, str]:
+    """What the ranks' default torch.distributed group runs on each device type ({}
+    without one)."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return {}
+    return device_backends(str(dist.get_backend()))
+
+
+def auto_backend(device_type: str, backends: dict[str, str]) -> str:
+    """"torch" where the group runs a device backend on `device_type` (NCCL on CUDA):
+    the GPU's own interconnect, no host staging. "mpi" otherwise: CPU tensors (mpilab's
+    shared-memory allreduce), and GPU tensors of a gloo group (GPUs shared by ranks),
+    staged through pinned memory."""
+    if device_type == "cpu":
+        return "mpi"
+    chosen = backends.get(device_type)
+    return "torch" if chosen is not None and chosen != "gloo" else "mpi"
+
+
 def resolve_backend(backend: str, tensor: torch.Tensor | None) -> str:
-    """auto → MPI for CPU tensors, torch.distributed (NCCL) for GPU tensors."""
+    """auto → see auto_backend (a barrier, with no tensor, goes over MPI)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r} is not one of {', '.join(BACKENDS)}")
     if backend != "auto":
         return backend
-    return "torch" if tensor is not None and tensor.device.type != "cpu" else "mpi"
+    if tensor is None or tensor.device.type == "cpu":
+        return "mpi"
+    return auto_backend(tensor.device.type, group_backends())
 
 
 def _check_op(op: str) -> None:
@@ -100,17 +148,64 @@ def _shape(tensor: torch.Tensor) -> str:
     return "x".join(str(s) for s in tensor.shape) or "scalar"
 
 
+# A wait on a torch.distributed work was given up since the last recovery: its group
+# may hold a collective the peers never joined.
+_abandoned = [False]
+_generation = [0]  # groups that recovery made; DataParallel rebuilds DDP when it moves
+
+
+def abandoned_torch_work() -> None:
+    """Note that this rank gave up waiting on a torch.distributed work (see recovery)."""
+    _abandoned[0] = True
+
+
+def torch_group_generation() -> int:
+    """How many times recovery made the torch.distributed group again (DDP holds the
+    group it was made with, so a wrapper made before must be made again)."""
+    return _generation[0]
+
+
 def wait_work(work: Any) -> None:
     """Wait for a torch.distributed Work handle, staying responsive to signals and aborts."""
-    waiting.poll(work.is_completed)
+    try:
+        waiting.poll(work.is_completed)
+    except BaseException:
+        abandoned_torch_work()
+        raise
     work.wait()  # raises the collective's error, if any
 
 
+def wait_device(device: torch.device) -> None:
+    """Wait, interruptibly, until the work queued on `device`'s current stream has run
+    (a CUDA event polled; nothing to wait for on CPU)."""
+    if device.type != "cuda":
+        return
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    waiting.poll(event.query)
+
+
 def _host_buffer(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous CPU tensor of `dtype` with `tensor`'s values (`tensor` itself if it can)."""
-    if tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.is_contiguous():
-        return tensor
-    return tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+    """A contiguous CPU tensor of `dtype` with `tensor`'s values (`tensor` itself if it can).
+
+    A GPU tensor is staged through pinned memory: the copy is queued without blocking and
+    waited for interruptibly (a peer's failure must not leave this rank in a copy).
+    """
+    if tensor.device.type == "cpu":
+        if tensor.dtype == dtype and tensor.is_contiguous():
+            return tensor
+        return tensor.detach().to(dtype=dtype).contiguous()
+    host = torch.empty(tensor.shape, dtype=dtype, pin_memory=True)
+    host.copy_(tensor.detach(), non_blocking=True)
+    wait_device(tensor.device)
+    return host
+
+
+def _copy_back(tensor: torch.Tensor, buf: torch.Tensor) -> None:
+    """`buf`'s values into `tensor` (a pinned stage goes back without blocking: the
+    caching host allocator keeps it until the copy has run)."""
+    if buf is not tensor:
+        tensor.copy_(buf, non_blocking=tensor.device.type != "cpu")
 
 
 def _as_bytes(buf: torch.Tensor) -> Any:
@@ -130,10 +225,10 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
         from .fusion import grouped_allreduce
 
         nbytes = tensor_bytes(tensor)
-        with agent_mod.current().collective("allreduce", nbytes, f"{len(tensor)} tensors"):
+        with waiting.collective("allreduce", nbytes, f"{len(tensor)} tensors"):
             return grouped_allreduce(list(tensor), op=op, backend=backend, comm=private_comm())
     chosen = resolve_backend(backend, tensor)
-    with agent_mod.current().collective("allreduce", tensor_bytes(tensor), _shape(tensor)):
+    with waiting.collective("allreduce", tensor_bytes(tensor), _shape(tensor)):
         if chosen == "mpi":
             _mpi_allreduce(tensor, op)
         else:
@@ -150,8 +245,7 @@ def _mpi_allreduce(tensor: torch.Tensor, op: str) -> None:
         allreduce_inplace(array, "sum" if op == "mean" else op, private_comm())
         if op == "mean":
             _divide(buf, bootstrap.context().world_size)
-        if buf is not tensor:
-            tensor.copy_(buf)
+        _copy_back(tensor, buf)
 
 
 def _torch_allreduce(tensor: torch.Tensor, op: str) -> None:
@@ -174,13 +268,12 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     if not 0 <= root < ctx.world_size:
         raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
     chosen = resolve_backend(backend, tensor)
-    with agent_mod.current().collective("broadcast", tensor_bytes(tensor), _shape(tensor)), \
+    with waiting.collective("broadcast", tensor_bytes(tensor), _shape(tensor)), \
             torch.no_grad():
         if chosen == "mpi":
             buf = _host_buffer(tensor, tensor.dtype)
             wait_interruptibly(private_comm().Ibcast(_as_bytes(buf), root=root))
-            if buf is not tensor:
-                tensor.copy_(buf)
+            _copy_back(tensor, buf)
         else:
             import torch.distributed as dist
 
@@ -197,14 +290,14 @@ def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     chosen = resolve_backend(backend, tensor)
     out = torch.empty((ctx.world_size, *tensor.shape), dtype=tensor.dtype,
                       device=tensor.device)
-    with agent_mod.current().collective("allgather", tensor_bytes(tensor), _shape(tensor)), \
+    with waiting.collective("allgather", tensor_bytes(tensor), _shape(tensor)), \
             torch.no_grad():
         if chosen == "mpi":
             send = _host_buffer(tensor, tensor.dtype)
-            recv = out if out.device.type == "cpu" else torch.empty_like(out, device="cpu")
+            recv = out if out.device.type == "cpu" else \
+                torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             wait_interruptibly(private_comm().Iallgather(_as_bytes(send), _as_bytes(recv)))
-            if recv is not out:
-                out.copy_(recv)
+            _copy_back(out, recv)
         else:
             import torch.distributed as dist
 
@@ -217,10 +310,142 @@ def barrier(backend: str = "auto") -> None:
     """Wait until every rank gets here (MPI unless backend="torch")."""
     bootstrap.context()
     chosen = resolve_backend(backend, None)
-    with agent_mod.current().collective("barrier"):
+    with waiting.collective("barrier"):
         if chosen == "mpi":
             wait_interruptibly(private_comm().Ibarrier())
         else:
             import torch.distributed as dist
 
             wait_work(dist.barrier(async_op=True))
+
+
+# ------------------------------------------------------- torch.distributed after an abort
+class RecoveryError(RuntimeError):
+    """The ranks' torch.distributed group cannot be made usable again: restart them."""
+
+
+def needs_new_group(backends: dict[str, str], abandoned_anywhere: bool) -> bool:
+    """Must recovery make the torch.distributed group again?
+
+    NCCL (any device backend but gloo): always. Its collectives run on the GPU behind
+    the host's back, so a rank whose host code was released may still have one queued
+    that its peers never join (a direct ``dist.all_reduce`` returns at once), and
+    nothing tells which. gloo: only when some rank abandoned a wait on it; a direct
+    gloo call blocks its rank, which the notebook restarts instead.
+    """
+    if not backends:
+        return False
+    return abandoned_anywhere or any(b != "gloo" for b in backends.values())
+
+
+def group_timeout(pg: Any = None) -> timedelta | None:
+    """The collective timeout `pg` (default: the default group) was made with."""
+    from torch.distributed import distributed_c10d as c10d
+
+    pg = pg if pg is not None else c10d._get_default_group()
+    for device_type in getattr(pg, "_device_types", ()):
+        backend = pg._get_backend(torch.device(device_type))
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def _renew_torch_group() -> None:
+    """Recovery hook (every rank, after _renew_comms): decide together, then renew."""
+    from mpi4py import MPI
+
+    backends = group_backends()
+    anywhere = private_comm().allreduce(int(_abandoned[0]), op=MPI.MAX)
+    if needs_new_group(backends, bool(anywhere)):
+        renew_torch_group()
+    _abandoned[0] = False
+
+
+def renew_torch_group() -> None:
+    """Abort every torch.distributed group of this rank and make the ranks' group
+    again, over mpilab's store under a new prefix, with the same collective timeout
+    (collective: every rank calls it, as recovery does).
+
+    Aborting is what releases a collective stuck on the GPU (ncclCommAbort); the new
+    communicator shares nothing with the old one. Groups the user made with
+    ``new_group`` go too and must be made again.
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    ctx = bootstrap.context()
+    backend = str(dist.get_backend())
+    if ctx.store is None:
+        raise RecoveryError(
+            f"torch.distributed's {backend} group was not made by mpilab, so it cannot be "
+            "made again here: the ranks must be restarted")
+    timeout = group_timeout()
+    try:
+        c10d._abort_process_group()
+    except Exception as e:  # noqa: BLE001 - a group torch cannot abort: restart
+        raise RecoveryError(
+            f"torch {torch.__version__} cannot abort its {backend} group ({e}): the ranks "
+            "must be restarted") from e
+    _generation[0] += 1
+    store = dist.PrefixStore(f"mpilab-recovered/{_generation[0]}/", ctx.store)
+    # torch's own init: torchrun.py's stand-in would treat this as the user's call
+    init = inspect.unwrap(c10d.init_process_group)
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    if ctx.device.type == "cuda":
+        kwargs["device_id"] = ctx.device  # the communicator now, while every rank is here
+    init(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+    _adopt(c10d._get_default_group())
+
+
+def _adopt(pg: Any) -> None:
+    """torchrun.py's shared group is the new one (the user's destroy_process_group
+    must keep it, as it kept the bootstrap's)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    from . import torchrun
+
+    groups = torchrun.shared_groups()
+    if groups is not None:
+        groups.mpilab_pg = pg
+        groups.stand_in = None
+        groups.before_user = set(c10d._world.pg_map)
+
+
+# ------------------------------------------------------------------------ GPU placement
+def gpu_for_rank(local_rank: int, gpus: Sequence[int]) -> int | None:
+    """The GPU (an index among the visible ones, CUDA_VISIBLE_DEVICES applied) of the
+    node-local rank `local_rank`: one rank per GPU, in order. Where Slurm binds each task
+    to its own GPU, every rank sees one and takes it. Ranks past the GPUs wrap around
+    and share; placement_error says when that cannot work. None: no GPU (CPU)."""
+    if not gpus:
+        return None
+    return gpus[local_rank % len(gpus)]
+
+
+def placement_error(gpu_ids: Sequence[str | None], backend: str,
+                    host: str = "this node") -> str | None:
+    """One line when ranks of one node would share a GPU under NCCL (it refuses two
+    ranks on one GPU); None when the placement works.
+
+    gpu_ids: for each node-local rank, the identity (UUID) of the GPU it took, or None
+    on CPU. Identities, not indices: with Slurm's per-task binding every rank's GPU is
+    its index 0. backend: the torch.distributed backend of the ranks' group; sharing
+    GPUs works over gloo (mpilab's collectives then stage GPU tensors through MPI).
+    """
+    cuda_backend = device_backends(backend).get("cuda") if backend else None
+    if cuda_backend in (None, "gloo"):
+        return None
+    users: dict[str, list[int]] = {}
+    for local_rank, gpu in enumerate(gpu_ids):
+        if gpu is not None:
+            users.setdefault(gpu, []).append(local_rank)
+    shared = next((ranks for ranks in users.values() if len(ranks) > 1), None)
+    if shared is None:
+        return None
+    ranks, gpus = sum(len(r) for r in users.values()), len(users)
+    return (f"{ranks} ranks on {host} but {gpus} GPU{'s' if gpus != 1 else ''} for them "
+            f"(node-local ranks {shared[0]} and {shared[1]} would share one), and "
+            f"{cuda_backend.upper()} cannot put two ranks on one GPU: start at most {gpus} "
+            f"rank{'s' if gpus != 1 else ''} per node, or share the GPUs over gloo and "
+            "MPI with --backend gloo")

@@ -14,11 +14,14 @@ because what a step does not send is remembered and added to the next step's gra
   each rank sends only its k largest-magnitude entries (values and int32 indices); every
   rank gathers all of them and forms the same sparse mean.
 
-``backend="mpi"``: ``CompressedGradSync`` does this at the end of backward, on the training
-thread, with mpilab's instrumented collectives. ``backend="torch"``: ``ddp_hook`` gives DDP
-torch's own powerSGD_hook, or mpilab's top-k hook. Both report, every step, the bytes this
-rank sent and the running compression ratio against uncompressed DataParallel
-(``TrafficMeter``: a "log" record with values ``bytes_sent`` and ``compression_ratio``).
+``backend="mpi"``: ``CompressedGradSync`` does this at the end of backward, on the thread
+autograd ends it on (for a GPU model, a device thread while the training thread waits in
+``backward()``: inside ``waiting.for_main_thread()``), with mpilab's instrumented
+collectives; GPU gradients are staged through pinned memory. ``backend="torch"`` (and
+"auto" for a GPU model on NCCL): ``ddp_hook`` gives DDP torch's own powerSGD_hook, or
+mpilab's top-k hook. Both report, every step, the bytes this rank sent and the running
+compression ratio against uncompressed DataParallel (``TrafficMeter``: a "log" record
+with values ``bytes_sent`` and ``compression_ratio``).
 """
 
 from __future__ import annotations
@@ -151,7 +154,7 @@ def traffic() -> Iterator[Traffic]:
 class PowerSGDCompressor:
     """Rank-r PowerSGD with error feedback over mpilab's collectives (Vogels et al. 2019)."""
 
-    def __init__(self, cfg: PowerSGD, backend: str = "mpi"):
+    def __init__(self, cfg: PowerSGD, backend: str = "auto"):
         self.cfg = cfg
         self.backend = backend
         self.reset()
@@ -213,7 +216,7 @@ class PowerSGDCompressor:
 class TopKCompressor:
     """Top-k sparsification with error feedback over the flattened gradients."""
 
-    def __init__(self, cfg: TopK, backend: str = "mpi"):
+    def __init__(self, cfg: TopK, backend: str = "auto"):
         self.cfg = cfg
         self.backend = backend
         self.reset()
@@ -245,7 +248,9 @@ class TopKCompressor:
         return collectives.tensor_bytes([values, index32])
 
 
-def make_compressor(method: Method, backend: str = "mpi") -> PowerSGDCompressor | TopKCompressor:
+def make_compressor(method: Method, backend: str = "auto") -> PowerSGDCompressor | TopKCompressor:
+    """The compressor of `method`; `backend` as in mpilab.allreduce (auto: NCCL for GPU
+    gradients where the ranks' group runs it, MPI otherwise)."""
     if isinstance(method, PowerSGD):
         return PowerSGDCompressor(method, backend)
     return TopKCompressor(method, backend)
@@ -293,6 +298,10 @@ class CompressedGradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
+        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
+            self._finish_step()
+
+    def _finish_step(self) -> None:
         self.pending = False
         with torch.no_grad():
             for p in self.params:
@@ -350,6 +359,10 @@ class _TopKDDP:
         self.compressors: dict[int, TopKCompressor] = {}
 
     def __call__(self, state, bucket):
+        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
+            return self._reduce(bucket)
+
+    def _reduce(self, bucket) -> torch.futures.Future:
         buffer = bucket.buffer()
         compressor = self.compressors.get(bucket.index())
         if compressor is None:

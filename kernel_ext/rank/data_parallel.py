@@ -1,5 +1,13 @@
 """mpilab.DataParallel: synchronous data-parallel training over MPI or torch.distributed.
 
+``backend="auto"`` (the default) takes torch's DDP over NCCL for a model on a GPU whose
+ranks' group runs NCCL, and mpilab's own path over MPI otherwise (CPU models; GPUs shared
+by ranks over gloo). Why DDP rather than mpilab's buckets over NCCL on GPUs: DDP's
+reducer runs its gradient hooks in C++, while mpilab's per-parameter hooks are Python on
+autograd's device thread, the thread that launches the backward kernels; NCCL needs no
+host staging, so the rest of mpilab's path (pinned buffers, the communication thread)
+has nothing to add there. ``make gpu-check`` measures the result against torchrun + DDP.
+
 ``backend="mpi"`` is mpilab's own gradient synchronisation, in the manner of Theano-MPI
 and Horovod: parameters are grouped into buckets in reverse order (the order backward
 produces their gradients); a post-accumulate-grad hook copies each gradient, divided
@@ -8,13 +16,24 @@ slot, so later accumulation happens in place. A full bucket is handed at once to
 background communication thread that allreduces it (``allreduce_inplace`` on a
 zero-copy NumPy view), so communication overlaps the rest of backward. A callback
 queued on the autograd engine waits for every bucket at the end of backward, so
-gradients are averaged before any optimizer step.
+gradients are averaged before any optimizer step. A model on a GPU is staged through
+pinned host memory (the copies are queued without blocking and waited for by polling
+CUDA events).
 
 Buckets are started strictly in index order and travel on one thread and one private
 communicator, so every rank issues the same collectives in the same order.
 
 ``backend="torch"`` is torch's DistributedDataParallel with torch's own comm hooks wrapped
-by a timing hook. Both backends emit one ``step`` record per synchronised step.
+by a timing hook, which also makes the end of backward wait (by polling) until the
+gradients are averaged: on NCCL, DDP would otherwise leave that wait to the next host
+sync, a blocking call no signal gets into. After recovery makes the torch.distributed
+group again, the next forward makes the DDP wrapper again on it.
+
+Autograd runs the hooks and the end-of-backward callbacks on a device thread for GPU
+models while the main thread sits in ``backward()``: every wait there runs inside
+``waiting.for_main_thread()`` (numbered, in the heartbeats, released by an abort), and
+wrapping installs ``waiting.watch_interrupts()`` so the stop button reaches it. Both
+backends emit one ``step`` record per synchronised step.
 """
 
 from __future__ import annotations
@@ -46,7 +65,7 @@ from .compression import resolve as resolve_compression
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
-BACKENDS = ("mpi", "torch")
+BACKENDS = ("auto", "mpi", "torch")
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -54,7 +73,7 @@ _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class DataParallelConfig:
     """How gradients travel; validated before anything collective happens."""
 
-    backend: str = "mpi"
+    backend: str = "auto"
     bucket_mb: float = 25.0
     compression: str | Method | None = None
 
@@ -65,6 +84,21 @@ class DataParallelConfig:
         resolve_compression(self.compression)  # powersgd, topk: see compression.py
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
+
+
+def choose_backend(requested: str, device_types: set[str],
+                   backends: dict[str, str]) -> str:
+    """DataParallel's path, "mpi" or "torch", for a model on `device_types` whose ranks'
+    group runs `backends` (collectives.group_backends). auto: DDP where the model sits
+    on one kind of GPU that the group serves with its own backend (NCCL); mpilab's MPI
+    path otherwise (see the module's docstring for why)."""
+    if requested != "auto":
+        return requested
+    if len(device_types) == 1:
+        (device_type,) = device_types
+        if collectives.auto_backend(device_type, backends) == "torch":
+            return "torch"
+    return "mpi"
 
 
 @dataclass
@@ -194,10 +228,12 @@ class _CommThread:
     def _process(self, bucket: _Bucket) -> None:
         start = time.perf_counter()
         try:
-            if bucket.copied is not None:
-                bucket.copied.synchronize()
+            if bucket.copied is not None:  # the device-to-host copy, polled
+                waiting.poll(bucket.copied.query)
             shape = str(bucket.host.numel())
-            with agent_mod.current().collective("dp_allreduce", bucket.nbytes, shape):
+            # numbered when reduced inline for the thread in backward; spans only on the
+            # communication thread, whose order is not the program's
+            with waiting.collective("dp_allreduce", bucket.nbytes, shape):
                 self._reduce(bucket)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             bucket.error = e
@@ -262,6 +298,10 @@ class _MPIGradSync:
     def _on_grad(self, p: nn.Parameter) -> None:
         if not self.enabled:
             return
+        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
+            self._grad_ready(p)
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.pending:
             self.pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -300,7 +340,12 @@ class _MPIGradSync:
         self.comm_thread.submit(bucket)
 
     def _finish(self) -> None:
-        """End of backward: reduce what no hook reported (unused parameters), then wait."""
+        """End of backward (on whichever thread autograd ends it): reduce what no hook
+        reported (unused parameters), then wait."""
+        with waiting.for_main_thread():
+            self._finish_step()
+
+    def _finish_step(self) -> None:
         self.pending = False
         for bucket in self.buckets[self.next_bucket:]:
             with torch.no_grad():
@@ -314,10 +359,10 @@ class _MPIGradSync:
         self.next_bucket = 0
         wait_start = time.perf_counter()
         # The training thread's wait is what the heartbeats and the watchdog see (the
-        # comm thread's buckets only leave spans): one numbered collective per step.
+        # comm thread's buckets only leave spans): one numbered collective per step,
+        # whichever thread autograd runs this on.
         nbytes = sum(b.nbytes for b in self.buckets)
-        with agent_mod.current().collective("dp_allreduce", nbytes,
-                                            f"buckets={len(self.buckets)}"):
+        with waiting.collective("dp_allreduce", nbytes, f"buckets={len(self.buckets)}"):
             for bucket in self.buckets:
                 while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
                     waiting.check_abort()
@@ -369,55 +414,115 @@ def _make_buckets(params: list[nn.Parameter], cfg: DataParallelConfig,
 
 
 # ------------------------------------------------------------------------- torch backend
-class _TimedHook:
-    """Wraps one of torch's DDP comm hooks: times every bucket and closes each step."""
+class _BucketTimer:
+    """How long one DDP bucket took from its launch to its result: wall-clock on CPU;
+    on a GPU, CUDA events on the streams (the host only queues NCCL's work there)."""
 
-    def __init__(self, inner: Any, wire_bytes: int | None, clock: _StepClock):
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.begin = torch.cuda.Event(enable_timing=True)
+            self.end = torch.cuda.Event(enable_timing=True)
+            self.begin.record()
+        else:
+            self.begin_s = time.perf_counter()
+            self.end_s = self.begin_s
+
+    def stop(self) -> None:
+        """In the bucket future's callback: on a GPU, its current stream waits for the
+        bucket's collective, so the event records when that has run."""
+        if self.cuda:
+            self.end.record()
+        else:
+            self.end_s = time.perf_counter()
+
+    def seconds(self) -> float:
+        """After the step's device work has run (the end-of-backward wait)."""
+        if self.cuda:
+            return self.begin.elapsed_time(self.end) / 1000.0
+        return self.end_s - self.begin_s
+
+
+class _TimedHook:
+    """Wraps one of torch's DDP comm hooks: times every bucket, waits for the step's
+    buckets interruptibly at the end of backward, and closes each step."""
+
+    def __init__(self, inner: Any, wire_bytes: int | None, clock: _StepClock,
+                 device: torch.device):
         self.inner = inner
         self.wire_bytes = wire_bytes
         self.clock = clock
+        self.device = device
         self.pending = False
-        self.backward_done = 0.0
-        self.bucket_times: list[float] = []
-        self.waiting: contextlib.AbstractContextManager | None = None
+        self.exposed_s = 0.0
+        self.futures: list[torch.futures.Future] = []
+        self.timers: list[_BucketTimer] = []
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations against its own
-        """The comm hook DDP calls for every bucket."""
+        """The comm hook DDP calls for every bucket (on autograd's thread)."""
+        with waiting.for_main_thread():  # mpilab's top-k hook waits in collectives
+            return self._launch(state, bucket)
+
+    def _launch(self, state, bucket) -> torch.futures.Future:
         if not self.pending:
             self.pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
         buffer = bucket.buffer()
         if self.wire_bytes != 0:  # 0: the inner hook counts its own bytes (compression.py)
             self.clock.nbytes += buffer.numel() * (self.wire_bytes or buffer.element_size())
-        start = time.perf_counter()
-        times = self.bucket_times
+        timer = _BucketTimer(buffer.device)
+        self.timers.append(timer)
 
         def done(fut: torch.futures.Future) -> Any:
-            times.append(time.perf_counter() - start)
+            timer.stop()
             return fut.value()
 
-        return self.inner(state, bucket).then(done)
+        future = self.inner(state, bucket).then(done)
+        self.futures.append(future)
+        return future
 
     def _backward_done(self) -> None:
-        # Queued before DDP's own finalize: queue one more callback to run after it, and
-        # show the heartbeats that this rank now waits in DDP's allreduce.
-        self.backward_done = time.perf_counter()
-        self._stop_waiting()  # a step that failed half-way never reached _synced
-        self.waiting = agent_mod.current().collective("ddp_allreduce", self.clock.nbytes)
-        self.waiting.__enter__()
+        """Queued before DDP's own finalize (which would block in C++ on gloo, and on NCCL
+        leave the wait to the next host sync): wait here, polled, for every bucket's
+        result and, on a GPU, for the device work that produces it; then let DDP finish
+        and close the step after it."""
+        futures, self.futures = self.futures, []
+        start = time.perf_counter()
+        with waiting.for_main_thread(), \
+                waiting.collective("ddp_allreduce", self.clock.nbytes):
+            try:
+                waiting.poll(lambda: all(f.done() for f in futures))
+                for future in futures:
+                    future.wait()  # raises the bucket's error; on a GPU, streams only
+                collectives.wait_device(self.device)
+            except BaseException:
+                collectives.abandoned_torch_work()
+                self.pending = False
+                self.timers.clear()
+                raise
+        self.exposed_s = time.perf_counter() - start
         torch.autograd.Variable._execution_engine.queue_callback(self._synced)
 
-    def _stop_waiting(self) -> None:
-        if self.waiting is not None:
-            self.waiting.__exit__(None, None, None)
-            self.waiting = None
-
     def _synced(self) -> None:
-        self._stop_waiting()
         self.pending = False
-        self.clock.comm_s += sum(self.bucket_times)
-        self.bucket_times.clear()
-        self.clock.synced(time.perf_counter() - self.backward_done)
+        self.clock.comm_s += sum(timer.seconds() for timer in self.timers)
+        self.timers.clear()
+        self.clock.synced(self.exposed_s)
+
+
+def _blocks_in_forward(ddp: nn.Module, device: torch.device) -> bool:
+    """Will DDP's next forward run a collective that blocks the host, which no signal
+    gets into? Until its buckets are rebuilt (the second forward), it agrees on their
+    order across ranks and reads the result back; on CPU (gloo) every forward that
+    broadcasts buffers blocks too. (On a GPU the buffers' broadcast is only queued.)"""
+    if torch.is_grad_enabled() and not getattr(ddp, "_has_rebuilt_buckets", False):
+        return True
+    return device.type != "cuda" and ddp.will_sync_module_buffers()
+
+
+def _model_device(model: nn.Module, default: torch.device) -> torch.device:
+    """The device of the model's parameters (the rank's device for a model without)."""
+    return next((p.device for p in model.parameters()), default)
 
 
 def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
@@ -438,7 +543,7 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
             "fp16": (default_hooks.fp16_compress_hook, 2),
             "bf16": (default_hooks.bf16_compress_hook, 2),
         }[method]
-    ddp.register_comm_hook(None, _TimedHook(inner, wire_bytes, clock).hook)
+    ddp.register_comm_hook(None, _TimedHook(inner, wire_bytes, clock, device).hook)
     return ddp
 
 
@@ -451,7 +556,7 @@ def _allgather_json(obj: Any) -> list:
     sizes = collectives.allgather(torch.tensor([len(data)], dtype=torch.int64)).view(-1).tolist()
     displs = [0, *itertools.accumulate(sizes)][:-1]
     recv = bytearray(sum(sizes))
-    with agent_mod.current().collective("allgather", len(data), "parameter list"):
+    with waiting.collective("allgather", len(data), "parameter list"):
         wait_interruptibly(collectives.private_comm().Iallgatherv(
             [data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
     return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
@@ -512,12 +617,14 @@ class DataParallel(ModelWrapper):
     are averaged over ranks by the end of ``backward()``; ``no_sync()`` skips that for
     gradient accumulation. Any torch optimizer works on ``model.parameters()``. Move the
     model to its device before wrapping it; wrapping the same model again (rerunning a
-    cell) replaces the earlier wrap. `compression`: None, "fp16" or "bf16" (half-precision
-    gradients on the wire), "powersgd" or "topk" (error feedback; settings through
-    ``mpilab.PowerSGD(rank=…)`` or ``mpilab.TopK(ratio=…)``; see compression.py).
+    cell) replaces the earlier wrap. `backend`: "auto" (DDP over NCCL for a GPU model,
+    mpilab's MPI path otherwise), "mpi" or "torch"; ``.backend`` says which one runs.
+    `compression`: None, "fp16" or "bf16" (half-precision gradients on the wire),
+    "powersgd" or "topk" (error feedback; settings through ``mpilab.PowerSGD(rank=…)`` or
+    ``mpilab.TopK(ratio=…)``; see compression.py).
     """
 
-    def __init__(self, model: nn.Module, backend: str = "mpi", bucket_mb: float = 25.0,
+    def __init__(self, model: nn.Module, backend: str = "auto", bucket_mb: float = 25.0,
                  compression: str | Method | None = None):
         super().__init__()
         ctx = bootstrap.context()
@@ -533,31 +640,53 @@ class DataParallel(ModelWrapper):
         check_same_parameters(model)
         # a strategy that wrapped this model before (a rerun cell) stops at its next step
         model.__dict__.pop("_mpilab_strategy", None)
-        if self.config.backend == "torch":
-            self._ddp = _wrap_ddp(model, self.config, ctx.device, self._clock)
-            self._sync = None
+        self.backend = choose_backend(self.config.backend,
+                                      {p.device.type for p in model.parameters()},
+                                      collectives.group_backends())
+        waiting.watch_interrupts()  # the stop button reaches a wait on autograd's thread
+        self._device = _model_device(model, ctx.device)
+        self._ddp: nn.Module | None = None
+        self._sync = None
+        if self.backend == "torch":
+            self._ddp = _wrap_ddp(model, self.config, self._device, self._clock)
+            self._ddp_generation = collectives.torch_group_generation()
         else:
             with torch.no_grad():
                 for tensor in (*model.parameters(), *model.buffers()):
                     collectives.broadcast(tensor.data, root=0, backend="mpi")
-            self._ddp = None
             method = resolve_compression(compression)
             if isinstance(method, Method):
                 self._sync = CompressedGradSync(model, method, self._clock)
             else:
                 self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
 
+    def _current_ddp(self) -> nn.Module:
+        """The DDP wrapper, made again if recovery has made a new torch.distributed
+        group since (DDP keeps the group it was made with, now aborted). Every rank
+        recovered together, so every rank makes it again at the same forward."""
+        if self._ddp_generation != collectives.torch_group_generation():
+            check_same_parameters(self.module)  # interruptible: a peer that failed since
+            self._ddp = None  # the old reducer's gradient hooks go with it
+            self._ddp = _wrap_ddp(self.module, self.config, self._device, self._clock)
+            self._ddp_generation = collectives.torch_group_generation()
+        return self._ddp
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._ddp is None:
             return super().forward(*args, **kwargs)
+        ddp = self._current_ddp()
+        if _blocks_in_forward(ddp, self._device):
+            # every rank here first, waited for interruptibly: a peer that failed before
+            # its forward must not leave this one in DDP's blocking collective
+            collectives.barrier(backend="mpi")
         self._clock.forward(args, kwargs)
-        return self._ddp(*args, **kwargs)
+        return ddp(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate local gradients; the next one outside syncs."""
         if self._ddp is not None:
-            with self._ddp.no_sync():
+            with self._current_ddp().no_sync():
                 yield
             return
         self._sync.enabled = False
@@ -565,4 +694,3 @@ class DataParallel(ModelWrapper):
             yield
         finally:
             self._sync.enabled = True
-

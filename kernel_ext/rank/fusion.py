@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
 
+from . import collectives
 from .fast_allreduce import allreduce_inplace
 
 # Horovod's default; MPILAB_FUSION_THRESHOLD (bytes) or the threshold argument change it.
@@ -41,8 +41,9 @@ def grouped_allreduce(
 
     op: sum | mean | max | min (mean of integer tensors rounds down, like `//`).
     backend: "mpi" (allreduce_inplace on host buffers: the shared-memory path on one
-    node), "torch" (torch.distributed.all_reduce on the fused buffer: NCCL on GPUs, gloo
-    on CPUs), or "auto" (torch for CUDA tensors, mpi otherwise).
+    node; GPU tensors are packed into pinned memory), "torch" (torch.distributed.all_reduce
+    on the fused buffer: NCCL on GPUs, gloo on CPUs), or "auto" (torch for GPU tensors
+    where the ranks' group runs NCCL on them, mpi otherwise: collectives.auto_backend).
     comm: the MPI communicator of the mpi backend (default: the bootstrap's COMM_WORLD).
     """
     if op not in _OPS:
@@ -53,7 +54,8 @@ def grouped_allreduce(
     limit = FUSION_THRESHOLD_BYTES if threshold is None else int(threshold)
     if limit <= 0:
         raise ValueError(f"fusion threshold must be positive bytes, not {limit}")
-    plans = [_plan(t, backend) for t in tensors]
+    backends = collectives.group_backends() if backend == "auto" else {}
+    plans = [_plan(t, backend, backends) for t in tensors]
     if any(p[0] == "mpi" for p in plans) and comm is None:
         from .bootstrap import context
 
@@ -64,13 +66,16 @@ def grouped_allreduce(
     return tensors
 
 
-def _plan(t: torch.Tensor, backend: str) -> tuple[str, torch.device, torch.dtype]:
-    """(backend, buffer device, wire dtype) of one tensor."""
+def _plan(t: torch.Tensor, backend: str, backends: dict[str, str] | None = None,
+          ) -> tuple[str, torch.device, torch.dtype]:
+    """(backend, buffer device, wire dtype) of one tensor; `backends`: what the ranks'
+    group runs on each device type (collectives.group_backends), for "auto"."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"grouped_allreduce takes torch tensors, not {type(t).__name__}")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"allreduce of {t.dtype} tensors is not supported")
-    kind = backend if backend != "auto" else ("torch" if t.device.type == "cuda" else "mpi")
+    kind = backend if backend != "auto" else collectives.auto_backend(t.device.type,
+                                                                      backends or {})
     if kind == "mpi":
         return kind, torch.device("cpu"), _MPI_WIRE.get(t.dtype, t.dtype)
     return kind, t.device, t.dtype
@@ -108,14 +113,21 @@ def _reduce_bucket(members, kind, device, wire, op, comm) -> None:
     single = members[0]
     packed = not (len(members) == 1 and single.is_contiguous() and single.dtype == wire
                   and single.device == device)
+    # GPU tensors reduced over MPI: packed into pinned memory without blocking, waited
+    # for interruptibly; a fresh pinned buffer each time, which torch's caching host
+    # allocator keeps until the copies back into the tensors have run
+    staged = sorted({t.device for t in members if t.device != device}, key=str)
     if not packed:
         buf = single.view(-1)  # one tensor already in wire form: no pack, no unpack
     else:
-        buf = _fused(device, wire, numel)
+        buf = _fused(device, wire, numel) if not staged else \
+            torch.empty(numel, dtype=wire, pin_memory=True)
         offset = 0
         for t in members:
-            buf[offset : offset + t.numel()].copy_(t.reshape(-1))
+            buf[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=bool(staged))
             offset += t.numel()
+        for source in staged:
+            collectives.wait_device(source)
     reduce_op = "sum" if op == "mean" else op
     if kind == "mpi":
         allreduce_inplace(buf.detach().numpy(), reduce_op, comm)
@@ -131,19 +143,15 @@ def _reduce_bucket(members, kind, device, wire, op, comm) -> None:
     if packed:
         offset = 0
         for t in members:
-            t.copy_(buf[offset : offset + t.numel()].view_as(t))
+            t.copy_(buf[offset : offset + t.numel()].view_as(t),
+                    non_blocking=t.device.type != "cpu")
             offset += t.numel()
 
 
 def _torch_allreduce(buf: torch.Tensor, op: str) -> None:
-    """torch.distributed.all_reduce, polled so that Ctrl-C lands while it runs."""
+    """torch.distributed.all_reduce, polled so that Ctrl-C and an abort land while it runs."""
     import torch.distributed as dist
 
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
                  "min": dist.ReduceOp.MIN}[op]
-    work = dist.all_reduce(buf, op=reduce_op, async_op=True)
-    sleep = 0.0
-    while not work.is_completed():
-        sleep = min(0.002, sleep * 2 or 0.00005)
-        time.sleep(sleep)
-    work.wait()  # raises the backend's error, if any
+    collectives.wait_work(dist.all_reduce(buf, op=reduce_op, async_op=True))

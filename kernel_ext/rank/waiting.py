@@ -2,23 +2,42 @@
 
 A blocking MPI call cannot be interrupted: Python's signal handlers only run between
 bytecodes. So every wait in mpilab polls (a non-blocking request, a torch async work,
-a shared-memory flag) with short sleeps, which lets two things land within
+a shared-memory flag, a CUDA event) with short sleeps, which lets two things land within
 milliseconds: KeyboardInterrupt on the main thread (the notebook's stop button), and
 `abort()`, which makes every wait on every thread of this rank raise
 CollectiveAborted (a rank whose peer failed must not wait for it forever).
 
+Autograd runs gradient hooks and its end-of-backward callbacks on whichever thread runs
+the graph: for CUDA tensors a device thread of its own, while the main thread sits in
+C++ ``backward()``, where Python runs no signal handler. Two things keep such waits in
+reach of the notebook:
+
+- ``for_main_thread()``: a wait on another thread that the main thread is blocked on is
+  numbered and shown in heartbeats as the main thread's own (``collective()``), so the
+  watchdog compares it across ranks as it does on CPU.
+- ``watch_interrupts()``: a SIGINT that arrives while the main thread is inside
+  ``backward()`` aborts the waits at once, from a watcher thread woken by the signal's
+  wakeup fd, instead of waiting for a handler that would only run after ``backward()``.
+
 An abandoned collective leaves the communicator it used out of step across ranks, so
 after an abort all ranks call `recover()` together: it runs the hooks that rebuild
-mpilab's private communicators and shared-memory state, then clears the abort.
+mpilab's private communicators, torch.distributed's group where it may hold a broken
+collective, and shared-memory state, then clears the abort.
 """
 
 from __future__ import annotations
 
 import inspect
+import os
+import signal
+import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from . import agent as agent_mod
 
 # Spin briefly first (small messages finish in microseconds), then back off.
 _SPIN_S = 0.0002
@@ -28,6 +47,8 @@ _abort = threading.Event()
 _abort_reason = ["aborted"]
 # each gives its hook, or None once the object of a bound-method hook is gone
 _recover_hooks: list[Callable[[], Callable[[], None] | None]] = []
+
+INTERRUPTED = "the cell was interrupted"  # the reason the engine's SIGINT handler gives
 
 
 class CollectiveAborted(RuntimeError):
@@ -87,3 +108,149 @@ def poll(done: Callable[[], bool]) -> None:
 def wait_interruptibly(request) -> None:
     """Wait for an mpi4py Request, staying responsive to signals and aborts."""
     poll(request.Test)
+
+
+# ------------------------------------------------------- waits done for the main thread
+_local = threading.local()
+
+
+@contextmanager
+def for_main_thread() -> Iterator[None]:
+    """Inside, this thread's collectives count as the main thread's: numbered and in the
+    heartbeats. For code the main thread is blocked on while it runs elsewhere:
+    DataParallel's end-of-backward callback and gradient hooks, which autograd runs on
+    a device thread for CUDA models. (A thread of its own, such as DataParallel's
+    communication thread, only leaves spans: its order is not the program's.)"""
+    if threading.current_thread() is threading.main_thread():
+        yield
+        return
+    outer = getattr(_local, "for_main", False)
+    _local.for_main = True
+    try:
+        yield
+    finally:
+        _local.for_main = outer
+
+
+def acting_for_main() -> bool:
+    """Is this thread the main one, or inside for_main_thread()?"""
+    return (threading.current_thread() is threading.main_thread()
+            or getattr(_local, "for_main", False))
+
+
+@contextmanager
+def collective(op: str, nbytes: int = 0, shape: str = "") -> Iterator[int]:
+    """The agent's ``collective`` (heartbeats carry it, a span records it), numbered on
+    the main thread and inside for_main_thread() on any other.
+
+    The main thread is then blocked on this one, so no collective of its own can
+    interleave with the numbering.
+    """
+    agent = agent_mod.current()
+    if not getattr(_local, "for_main", False):
+        with agent.collective(op, nbytes, shape) as seq:
+            yield seq
+        return
+    st = agent.state
+    start = time.time()
+    previous = st.phase
+    st.seq += 1
+    st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
+    st.op_started = start
+    st.phase = "collective"
+    st.recent.append((st.seq, op, nbytes))
+    try:
+        yield st.seq
+    finally:
+        end = time.time()
+        st.phase = previous
+        st.op = ""
+        agent.emit("span", name=op, cat="comm", ts=start, dur=end - start,
+                   nbytes=nbytes, seq=st.seq, t=end)
+
+
+# ----------------------------------------------------------- SIGINT while in backward
+# torch.autograd.backward and torch.autograd.grad enter the C++ engine from this function
+_BACKWARD_FRAME = "_engine_run_backward"
+
+
+def main_thread_in_backward() -> bool:
+    """Is the main thread inside an autograd backward pass (torch's engine entry on its
+    stack)? There it runs no Python signal handler until the pass ends, unless the
+    pass calls back into Python on that same thread (CPU tensors)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    while frame is not None:
+        if frame.f_code.co_name == _BACKWARD_FRAME:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _InterruptWatch:
+    """A pipe registered as Python's signal wakeup fd and a thread that reads it.
+
+    The C-level handler writes each signal's number to the wakeup fd as the signal
+    arrives, whatever the main thread is doing; the Python-level handler runs later, on
+    the main thread, between bytecodes. A SIGINT read while the main thread is inside
+    backward() aborts this rank's waits as the engine's handler would. A wakeup fd set
+    before (asyncio's) gets every byte forwarded.
+    """
+
+    def __init__(self) -> None:
+        self.read_fd = -1
+        self.write_fd = -1
+        self.previous = -1
+        self.interrupts = 0  # SIGINTs seen (tests and gpu_check read it)
+
+    def install(self) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            return False  # signal.set_wakeup_fd is for the main thread only
+        if self.write_fd >= 0:
+            current = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+            if current not in (-1, self.write_fd):  # someone took it since: chain theirs
+                self.previous = current
+            return True
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the C handler must never block
+        try:
+            previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # not the main interpreter
+            os.close(read_fd)
+            os.close(write_fd)
+            return False
+        self.read_fd, self.write_fd, self.previous = read_fd, write_fd, previous
+        threading.Thread(target=self._run, name="mpilab-sigint-watch", daemon=True).start()
+        return True
+
+    def _run(self) -> None:
+        while True:
+            try:
+                data = os.read(self.read_fd, 512)
+            except OSError:
+                return
+            if not data:
+                return
+            if self.previous >= 0:
+                try:
+                    os.write(self.previous, data)
+                except OSError:
+                    pass  # full or closed: its owner reads its own way
+            if signal.SIGINT in data:
+                self.interrupts += 1
+                if main_thread_in_backward():
+                    abort(INTERRUPTED)
+
+
+_watch = _InterruptWatch()
+
+
+def watch_interrupts() -> bool:
+    """Let a SIGINT abort this rank's waits while the main thread sits in backward()
+    (main thread only; idempotent; DataParallel calls it when it wraps a model).
+    Returns whether the watch is on."""
+    return _watch.install()
+
+
+def interrupts_seen() -> int:
+    """How many SIGINTs the watch has read so far."""
+    return _watch.interrupts
