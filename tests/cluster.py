@@ -549,8 +549,8 @@ class EmulatedCluster:
                 self._start_munge()
                 self._write_slurm_conf()
                 self._start_slurmctld()
-            self._start_nodes()
-            self._wait_ready(t0 + UP_TIMEOUT)
+            self._start_nodes(self.nodes)
+            self._wait_ready(t0 + UP_TIMEOUT, self.nodes)
             self._state.nodes = self.nodes
             self._state.ready = True
             self._state.save()
@@ -822,8 +822,8 @@ UnkillableStepTimeout=10
         self._state.head["slurmctld"] = Proc.of(proc.pid)
         self._state.save()
 
-    def _start_nodes(self) -> None:
-        for n in self.nodes:
+    def _start_nodes(self, nodes: Sequence[Node]) -> None:
+        for n in nodes:
             nd = self.run_dir / "nodes" / n.name
             nd.mkdir(mode=0o700, exist_ok=True)
             daemons = []
@@ -849,7 +849,7 @@ UnkillableStepTimeout=10
             n.holder = Proc.of(holder.pid)
             self._state.nodes = self.nodes
             self._state.save()
-        for n in self.nodes:
+        for n in nodes:
             _wait_for(lambda n=n: bool(_children(n.holder.pid)) or not n.holder.alive(), 10,
                       f"{n.name}'s init to start")
             kids = _children(n.holder.pid)
@@ -859,8 +859,11 @@ UnkillableStepTimeout=10
             n.init = Proc.of(kids[0])
             self._state.save()
 
-    def _wait_ready(self, deadline: float) -> None:
-        for n in self.nodes:
+    def _wait_ready(self, deadline: float, nodes: Sequence[Node], restarted: bool = False,
+                    ) -> None:
+        """Wait for the nodes' daemons: sshd accepting, slurmd registered (the node idle,
+        or for a restarted node, any state in which it responds)."""
+        for n in nodes:
             ready = self.run_dir / "nodes" / n.name / "ready.json"
             _wait_for(lambda ready=ready, n=n: ready.exists() or not n.init.alive(),
                       deadline - time.monotonic(), f"{n.name}'s daemons to start")
@@ -873,7 +876,7 @@ UnkillableStepTimeout=10
                          if p in by_ns_pid}
             self._state.save()
         if self.ssh:
-            for n in self.nodes:
+            for n in nodes:
                 _wait_for(lambda n=n: _port_open(n.address, SSH_PORT) or not n.init.alive(),
                           deadline - time.monotonic(), f"sshd on {n.name}",
                           lambda n=n: _tail(self.log_dir / f"sshd-{n.name}.log"))
@@ -883,7 +886,7 @@ UnkillableStepTimeout=10
                     raise ClusterError("slurmctld exited: "
                                        + _tail(self.log_dir / "slurmctld.out")
                                        + _tail(self.log_dir / "slurmctld.log"))
-                for n in self.nodes:
+                for n in nodes:
                     if "slurmd" in n.daemons and not n.daemons["slurmd"].alive():
                         raise ClusterError(f"slurmd on {n.name} exited: "
                                            + _tail(self.log_dir / f"slurmd-{n.name}.log"))
@@ -891,10 +894,32 @@ UnkillableStepTimeout=10
                     states = self.sinfo()
                 except ClusterError:
                     return False
-                return all(states.get(n) == "idle" for n in self.names)
+                if restarted:
+                    return all(not states.get(n.name, "*").endswith("*")
+                               and states[n.name] not in ("down", "drain", "fail")
+                               for n in nodes)
+                return all(states.get(n.name) == "idle" for n in nodes)
             _wait_for(idle, deadline - time.monotonic(), "the Slurm nodes to be idle",
                       lambda: _tail(self.log_dir / "slurmctld.log") + "".join(
-                          _tail(self.log_dir / f"slurmd-{n}.log") for n in self.names))
+                          _tail(self.log_dir / f"slurmd-{n.name}.log") for n in nodes))
+
+    def restart_node(self, node: str, timeout: float = UP_TIMEOUT) -> None:
+        """Start `node` afresh (a new init, sshd and slurmd in its network namespace), as a
+        host that reboots; what ran on it is killed first. Its link state is kept."""
+        n = self.node(node)
+        if self._state is None:
+            raise ClusterError("restart_node() needs the cluster up in this process")
+        old = [p for p in (n.init, n.holder) if p is not None]
+        for p in old:
+            _kill(p.pid, p.start)
+        _wait_gone([(p.pid, p.start) for p in old], 10)
+        with contextlib.suppress(FileNotFoundError):
+            (self.run_dir / "nodes" / n.name / "ready.json").unlink()
+        n.init = n.holder = None
+        n.daemons = {}
+        self._start_nodes([n])
+        self._wait_ready(time.monotonic() + timeout, [n], restarted=True)
+        self._state.save()
 
     # -- down ----------------------------------------------------------------------------
 

@@ -217,6 +217,60 @@ def test_salloc_then_srun_from_the_head_side_then_scancel(emulated_cluster):
 
 
 # ---------------------------------------------------------------------------------------
+# the harness's failure tools: kill what runs on a node, cut its link, restart it
+
+
+def ssh_ok(c: EmulatedCluster, node: str) -> bool:
+    out = subprocess.run(["ssh", "-o", "ConnectTimeout=2", node, "hostname"],
+                         capture_output=True, text=True, timeout=30, env=head_env(c))
+    return out.returncode == 0 and out.stdout.strip() == node
+
+
+def test_kill_all_on_ends_what_runs_and_keeps_the_daemons(emulated_cluster):
+    c = emulated_cluster
+    subprocess.run(["ssh", "node2", "nohup sleep 300 >/dev/null 2>&1 &"], check=True,
+                   timeout=30, env=head_env(c))
+    left = c.leftover_processes(["node2"], timeout=0)
+    assert any(cmd == "sleep 300" for cmd in left.get("node2", {}).values()), left
+    daemons = dict(c.node("node2").daemons)
+    killed = c.kill_all_on("node2")
+    assert killed and c.leftover_processes(["node2"], timeout=0) == {}
+    assert all(p.alive() for p in daemons.values())
+    assert ssh_ok(c, "node2")
+
+
+def test_link_down_cuts_a_node_off_until_link_up(emulated_cluster):
+    c = emulated_cluster
+    probe = f"import socket; socket.create_connection(('{c.addresses['node3']}', 22), 1)"
+    try:
+        c.link_down("node3")
+        assert not ssh_ok(c, "node3")
+        assert c.run_on("node1", [PYTHON, "-c", probe]).returncode != 0
+    finally:
+        c.link_up("node3")
+    assert c.run_on("node1", [PYTHON, "-c", probe]).returncode == 0
+    assert ssh_ok(c, "node3")
+
+
+def test_a_node_killed_whole_comes_back_with_restart_node(emulated_cluster):
+    c = emulated_cluster
+    before = c.node("node3").init.pid
+    c.kill_all_on("node3", daemons=True)
+    assert c.pids_on("node3") == []
+    assert not ssh_ok(c, "node3")
+    c.restart_node("node3")
+    assert c.node("node3").init.pid != before
+    assert ssh_ok(c, "node3")
+    deadline = time.monotonic() + 30
+    while c.sinfo().get("node3") != "idle" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert c.sinfo() == {n: "idle" for n in c.names}
+    step = subprocess.run(["srun", "-w", "node3", "hostname"], capture_output=True, text=True,
+                          timeout=60, env=head_env(c))
+    assert step.stdout.strip() == "node3", step.stderr
+
+
+# ---------------------------------------------------------------------------------------
 # teardown, on a second instance beside the session's cluster
 
 
