@@ -228,6 +228,7 @@ class State:
     links: list[str] = field(default_factory=list)
     netns: list[str] = field(default_factory=list)
     etc_netns: list[str] = field(default_factory=list)
+    made_etc_netns: bool = False     # /etc/netns did not exist before this run
     slurm: bool = True
     ssh: bool = True
     ready: bool = False
@@ -304,6 +305,21 @@ class EmulatedCluster:
         self._lock_fd: int | None = None
         self._state: State | None = None
         self._children: list[subprocess.Popen] = []  # reaped in down()
+
+    @classmethod
+    def attach(cls, instance: str = "") -> EmulatedCluster:
+        """The cluster that runs now (brought up by `python -m tests.cluster up`, or by
+        another process), for use from this process; it stays up when this one ends."""
+        layout = Layout(instance)
+        state = State.load(layout)
+        if state is None or not state.ready or not cls._is_live(state):
+            raise ClusterError(f"no test cluster is up ({layout.run_dir}): "
+                               "python -m tests.cluster up")
+        c = cls([n.name for n in state.nodes], slurm=state.slurm, ssh=state.ssh,
+                instance=instance)
+        c.nodes = state.nodes
+        c._state = state
+        return c
 
     # -- public surface ------------------------------------------------------------------
 
@@ -535,7 +551,8 @@ class EmulatedCluster:
             if previous is not None and previous.manual and self._is_live(previous):
                 raise ClusterError(
                     f"a test cluster brought up by hand is running ({self.run_dir}): "
-                    "take it down first with `python -m tests.cluster down`")
+                    "take it down first with `python -m tests.cluster down`, or run the "
+                    "tests on it with MPILAB_TESTCLUSTER_REUSE=1")
             _teardown(self.layout, previous)
             self._state = State(owner=os.getpid(), owner_start=_start_time(os.getpid()),
                                 manual=False, instance=self.layout.instance,
@@ -654,6 +671,8 @@ class EmulatedCluster:
             _sh("ip", "-n", n.netns, "addr", "add", f"{n.address}/24", "dev", "eth0")
             _sh("ip", "-n", n.netns, "link", "set", "eth0", "up")
             etc = Path("/etc/netns") / n.netns
+            if not etc.parent.exists():
+                st.made_etc_netns = True
             st.etc_netns.append(str(etc))
             st.save()
             etc.mkdir(parents=True, exist_ok=True)
@@ -1067,7 +1086,7 @@ def _teardown(layout: Layout, state: State | None, nodes: Sequence[Node] = ()) -
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
     with contextlib.suppress(OSError):
-        if etc.is_dir() and not any(etc.iterdir()):
+        if (state is None or state.made_etc_netns) and etc.is_dir() and not any(etc.iterdir()):
             etc.rmdir()
     shutil.rmtree(layout.run_dir, ignore_errors=True)
 
@@ -1190,12 +1209,19 @@ if pytest is not None:
 
         Tests needing two nodes use node1 and node2 (`hostfile(nodes=...)`, `sbatch -N2`).
         Registered more than once (a test module and conftest), the first instance serves.
+        MPILAB_TESTCLUSTER_REUSE=1 uses the cluster brought up by hand instead (for quick
+        reruns while working; it stays up). The lock wait (another session holds the
+        cluster) stays under pytest-timeout's 300 s, so that its own message is the one shown.
         """
         global _session_cluster
         if _session_cluster is not None:
             yield _session_cluster
             return
-        cluster = EmulatedCluster(("node1", "node2", "node3"))
+        if os.environ.get("MPILAB_TESTCLUSTER_REUSE") == "1":
+            # a cluster brought up by hand (`python -m tests.cluster up --nodes 3`), kept up
+            yield EmulatedCluster.attach()
+            return
+        cluster = EmulatedCluster(("node1", "node2", "node3"), lock_timeout=240)
         _session_cluster = cluster
         try:
             cluster.up()
