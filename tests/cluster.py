@@ -13,8 +13,9 @@ bridge address only.
 Names: the nodes resolve each other, `head`, and this machine's own hostname (to the bridge
 address, as a real compute node resolves its login node). This machine's /etc/hosts is not
 touched: on the head side ssh finds the nodes by name through the harness's ssh config
-(`HostName`), and hostfiles hold the nodes' addresses (`hostfile(by="name")` for names,
-which only the nodes resolve).
+(`HostName`). Hostfiles hold the nodes' addresses by default; `hostfile(by="name")` works
+for mpiexec too (it hands the names to ssh), but code on the head side that resolves a
+node's name itself fails there.
 
 Traffic stays in the test subnet: the nodes have a route to that subnet and no other
 (no default route, no NAT, and forwarding stays as it is, off), and the head side's
@@ -386,8 +387,9 @@ class EmulatedCluster:
                  by: str = "address", path: str | os.PathLike | None = None) -> Path:
         """Write an mpiexec hostfile (`HOST:SLOTS` lines) and return its path.
 
-        `by="address"` (the default) works from the head side and from the nodes;
-        `by="name"` only from the nodes, as only they resolve the node names.
+        Both forms work for mpiexec, from the head side and from the nodes; with
+        `by="name"` the head side reaches the nodes through the ssh config's HostName,
+        as this machine does not resolve their names itself.
         """
         if by not in ("address", "name"):
             raise ClusterError(f"hostfile(by=...) is 'address' or 'name', got {by!r}")
