@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import textwrap
 import threading
 
 from IPython.core.error import UsageError
@@ -14,8 +15,23 @@ from .placement import SlurmSettings
 from .runner import RunOptions, parse_ranks
 from .session import Session
 
-SUBCOMMANDS = ("start", "stop", "restart", "status", "push", "pull", "auto", "bench",
-               "dashboard", "metrics", "trace")
+# each subcommand, what it does in one line (`%mpilab?` and `%mpilab help` list them)
+SUMMARIES = {
+    "start": "start N ranks and wait until every one is ready (MPI, device, torch.distributed)",
+    "stop": "stop every rank (and the Slurm job): nothing is left running",
+    "restart": "stop, then start again with the same settings (the ranks' variables are lost)",
+    "status": "a live table of the ranks: host, pid, device, state, memory, heartbeat age",
+    "push": "send notebook variables to every rank",
+    "pull": "copy a variable from the ranks into the notebook",
+    "auto": "on: every following cell runs on the ranks, as if it began with %%ranks",
+    "bench": "bandwidth of a collective on the running ranks: a table and a plot",
+    "dashboard": "the latest run's training dashboard",
+    "metrics": "save (or forget) the steps and logged scalars of the runs so far",
+    "trace": "save the ranks' timing spans as a Chrome trace (Perfetto opens it)",
+    "help": "this help, or one subcommand's: %mpilab help start",
+}
+SUBCOMMANDS = tuple(SUMMARIES)
+HELP_FLAGS = ("-h", "--help")
 
 
 def _parse(func, line: str):
@@ -25,7 +41,20 @@ def _parse(func, line: str):
     except UsageError:
         raise
     except SystemExit:
-        raise UsageError(f"could not parse {line!r}; see `%mpilab?`") from None
+        raise UsageError(f"could not parse {line!r}; see `%mpilab help`") from None
+
+
+def _asks_help(line: str) -> bool:
+    """`-h` or `--help` anywhere among the words (no option takes such a value)."""
+    return any(word in HELP_FLAGS for word in line.split())
+
+
+def help_text(func) -> str:
+    """A magic's argparse help as plain text: IPython's formatter writes the usage as a
+    reST literal block (`::` and an indent), which a terminal shows as is."""
+    text = func.parser.format_help()
+    usage, _, rest = text.removeprefix("::\n\n").partition("\n\n")
+    return textwrap.dedent(usage) + "\n\n" + rest.rstrip() + "\n"
 
 
 @magics_class
@@ -37,42 +66,80 @@ class MpilabMagics(Magics):
     # -- %mpilab ------------------------------------------------------------------------
     @line_magic
     def mpilab(self, line: str = ""):
-        """%mpilab start|stop|restart|status|push|pull|auto|bench|dashboard|metrics|trace …"""
+        # the docstring is `overview()`, set below the class: `%mpilab?` shows it
         words = line.strip().split(None, 1)
+        if words and words[0] in HELP_FLAGS:
+            words = ["help"]
         if not words or words[0] not in SUBCOMMANDS:
             got = f" {words[0]!r}" if words else ""
-            raise UsageError(f"%mpilab needs a subcommand{got}: one of {', '.join(SUBCOMMANDS)}")
+            raise UsageError(f"%mpilab needs a subcommand{got}: one of {', '.join(SUBCOMMANDS)}"
+                             " (`%mpilab help` describes them)")
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
+        if sub != "help" and _asks_help(rest):
+            print(help_text(self._args_of(sub)), end="")
+            return None
         try:
             return getattr(self, f"_{sub}")(rest)
         except (ClusterError, ValueError) as e:
             raise UsageError(str(e)) from None
 
-    @magic_arguments(name="%mpilab start")
-    @argument("-n", type=int, default=2, help="number of ranks")
-    @argument("--gpus", default="auto", help="auto | none | a list like 0,1")
-    @argument("--backend", default="auto", choices=["auto", "nccl", "gloo"])
-    @argument("--launcher", default="mpi",
+    @classmethod
+    def _args_of(cls, sub: str):
+        """The argument-parsing function of a subcommand (its `.parser` is argparse's)."""
+        return getattr(cls, f"_{sub}_args")
+
+    @magic_arguments(name="mpilab help")
+    @argument("subcommand", nargs="?", default=None, help=", ".join(SUBCOMMANDS[:-1]))
+    def _help_args(self, line):
+        """Every subcommand with its options, or one subcommand's help."""
+
+    def _help(self, rest: str):
+        args = _parse(self._help_args, rest)
+        sub = args.subcommand
+        if sub is None:
+            print(overview(), end="")
+        elif sub in SUBCOMMANDS:
+            print(help_text(self._args_of(sub)), end="")
+        else:
+            raise UsageError(f"%mpilab help: no subcommand {sub!r}; one of "
+                             f"{', '.join(SUBCOMMANDS)}")
+
+    @magic_arguments(name="mpilab start")
+    @argument("-n", type=int, default=2, metavar="N", help="number of ranks (default 2)")
+    @argument("--gpus", default="auto", metavar="GPUS",
+              help="auto (one per rank where there are GPUs) | none | a list like 0,1")
+    @argument("--backend", default="auto", choices=["auto", "nccl", "gloo"],
+              metavar="BACKEND",
+              help="torch.distributed's backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo")
+    @argument("--launcher", default="mpi", metavar="LAUNCHER",
               help="mpi (mpiexec) | slurm (a batch job, or the salloc allocation you are in)")
-    @argument("--hostfile", default=None, help="hosts for mpiexec (it reaches them over ssh)")
-    @argument("--controller-ip", default=None,
+    @argument("--hostfile", default=None, metavar="FILE",
+              help="hosts for mpiexec (it reaches them over ssh)")
+    @argument("--controller-ip", default=None, metavar="IP",
               help="this host's address the ranks reach (default: loopback for ranks on this "
                    "host, else the route towards their first host)")
-    @argument("--partition", default=None, help="Slurm partition")
-    @argument("--time", default=None, help="Slurm time limit, e.g. 1:00:00")
-    @argument("--account", default=None, help="Slurm account")
-    @argument("--nodes", default=None, help="Slurm nodes (a count or min-max)")
-    @argument("--tasks-per-node", type=int, default=None, help="Slurm tasks (ranks) per node")
-    @argument("--gpus-per-node", default=None, help="Slurm GPUs per node (a count or type:count)")
-    @argument("--sbatch-option", action="append", default=[],
+    @argument("--partition", default=None, metavar="NAME", help="Slurm partition")
+    @argument("--time", default=None, metavar="LIMIT", help="Slurm time limit, e.g. 1:00:00")
+    @argument("--account", default=None, metavar="NAME", help="Slurm account")
+    @argument("--nodes", default=None, metavar="N",
+              help="Slurm nodes (a count or min-max)")
+    @argument("--tasks-per-node", type=int, default=None, metavar="N",
+              help="Slurm tasks (ranks) per node")
+    @argument("--gpus-per-node", default=None, metavar="N",
+              help="Slurm GPUs per node (a count or type:count)")
+    @argument("--sbatch-option", action="append", default=[], metavar="OPTION",
               help="any other sbatch option, as sbatch spells it (repeat for more): "
                    "--sbatch-option=--qos=high")
-    @argument("--mpiexec", default=None, help="path to mpiexec")
-    @argument("--timeout", type=float, default=120.0, help="seconds to wait for the ranks")
-    @argument("--hang-timeout", type=float, default=None,
-              help="default seconds a collective may wait before ranks are released")
+    @argument("--mpiexec", default=None, metavar="PATH",
+              help="the mpiexec to use (default: the one beside this Python, else PATH's)")
+    @argument("--timeout", type=float, default=120.0, metavar="S",
+              help="seconds to wait for the ranks to be ready (default 120)")
+    @argument("--hang-timeout", type=float, default=None, metavar="S",
+              help="seconds a collective may wait before the ranks are released (default "
+                   "30); %%%%ranks --hang-timeout sets it for one cell")
     def _start_args(self, line):
-        """%mpilab start [-n N] [--gpus …] [--backend …] [--launcher …] …"""
+        """Start N ranks (ipyparallel engines under mpiexec, or a Slurm job) and wait until
+        every one finished its bootstrap: MPI, node-local rank, device, torch.distributed."""
 
     def _start(self, rest: str):
         args = _parse(self._start_args, rest)
@@ -90,22 +157,37 @@ class MpilabMagics(Magics):
             self.session.hang_timeout = args.hang_timeout
         print(self.session.start(config).line())
 
+    @magic_arguments(name="mpilab stop")
+    def _stop_args(self, line):
+        """Stop every rank, the controller and (with --launcher slurm) the job."""
+
     def _stop(self, rest: str):
         self._no_args("stop", rest)
         print(self.session.stop())
+
+    @magic_arguments(name="mpilab restart")
+    def _restart_args(self, line):
+        """Stop the ranks and start them again with the last start's settings: a full
+        cluster after a rank died (the ranks' variables are lost)."""
 
     def _restart(self, rest: str):
         self._no_args("restart", rest)
         print(self.session.restart().line())
 
+    @magic_arguments(name="mpilab status")
+    def _status_args(self, line):
+        """A live table of the ranks: rank, host, pid, device, state (idle, running, in
+        allreduce #k), memory and heartbeat age."""
+
     def _status(self, rest: str):
         self._no_args("status", rest)
         return self.session.show_status()
 
-    @magic_arguments(name="%mpilab push")
-    @argument("names", help="NAME[,NAME…] of notebook variables to send to every rank")
+    @magic_arguments(name="mpilab push")
+    @argument("names", metavar="NAME[,NAME…]",
+              help="notebook variables to send to every rank")
     def _push_args(self, line):
-        """%mpilab push NAME[,NAME…]"""
+        """Send notebook variables to every rank (pickled, as ipyparallel's push)."""
 
     def _push(self, rest: str):
         args = _parse(self._push_args, rest)
@@ -115,17 +197,25 @@ class MpilabMagics(Magics):
             raise UsageError(f"push: no variable named {missing[0]!r} in the notebook")
         self.session.push({n: self.shell.user_ns[n] for n in names})
 
-    @magic_arguments(name="%mpilab pull")
-    @argument("name", help="variable on the ranks to copy into the notebook")
-    @argument("--rank", type=int, default=None, help="take it from this rank only")
+    @magic_arguments(name="mpilab pull")
+    @argument("name", metavar="NAME", help="variable on the ranks to copy into the notebook")
+    @argument("--rank", type=int, default=None, metavar="R",
+              help="take it from this rank only (default: a list, one value per rank)")
     def _pull_args(self, line):
-        """%mpilab pull NAME [--rank R]"""
+        """Copy a variable from the ranks into the notebook's namespace."""
 
     def _pull(self, rest: str):
         args = _parse(self._pull_args, rest)
         value = self.session.pull(args.name, args.rank)
         self.shell.user_ns[args.name] = value
         return value
+
+    @magic_arguments(name="mpilab auto")
+    @argument("mode", metavar="on|off", help="on: every following cell runs on the ranks; "
+              "off: cells run in the notebook again")
+    def _auto_args(self, line):
+        """Run every following cell on the ranks, as if it began with %%ranks (mpilab's
+        own magics still run in the notebook)."""
 
     def _auto(self, rest: str):
         mode = rest.strip()
@@ -135,29 +225,39 @@ class MpilabMagics(Magics):
         print(f"mpilab: every cell runs on the ranks ({'on' if mode == 'on' else 'off'})"
               if mode == "on" else "mpilab: cells run in the notebook again")
 
-    @magic_arguments(name="%mpilab bench")
-    @argument("op", choices=["allreduce", "broadcast", "allgather"])
-    @argument("--sizes", default="4K:64M", help="message sizes, powers of two: 4K:64M")
-    @argument("--backends", default="mpi,gloo,nccl,mpilab",
-              help="any of mpi, gloo, nccl, mpilab (nccl needs GPUs)")
+    @magic_arguments(name="mpilab bench")
+    @argument("op", choices=["allreduce", "broadcast", "allgather"],
+              help="the collective to measure: allreduce, broadcast or allgather")
+    @argument("--sizes", default="4K:64M", metavar="SIZES",
+              help="message sizes: every power of two from:to (default 4K:64M)")
+    @argument("--backends", default="mpi,gloo,nccl,mpilab", metavar="LIST",
+              help="any of mpi, gloo, nccl, mpilab (default: all; nccl needs GPUs)")
     def _bench_args(self, line):
-        """%mpilab bench allreduce|broadcast|allgather [--sizes 4K:64M] [--backends …]"""
+        """Measure a collective on the running ranks, backend against backend, at each
+        message size: a table (time, algbw, busbw) and a plot with the node's memory-copy
+        bandwidth as the ceiling."""
 
     def _bench(self, rest: str):
         args = _parse(self._bench_args, rest)
         self.session.show_bench(args.op, args.sizes, args.backends)
 
+    @magic_arguments(name="mpilab dashboard")
+    def _dashboard_args(self, line):
+        """Show the latest run's training dashboard again (it follows the run while it
+        logs)."""
+
     def _dashboard(self, rest: str):
         self._no_args("dashboard", rest)
         self.session.show_dashboard()
 
-    @magic_arguments(name="%mpilab metrics")
-    @argument("--save", help="FILE.json or FILE.csv: the steps and logged scalars of every "
-              "run since the ranks started")
+    @magic_arguments(name="mpilab metrics")
+    @argument("--save", metavar="FILE", help="FILE.json or FILE.csv: the steps and logged "
+              "scalars of every run since the ranks started")
     @argument("--clear", action="store_true",
               help="then forget them (and the spans): the next save holds only later runs")
     def _metrics_args(self, line):
-        """%mpilab metrics [--save FILE.json|FILE.csv] [--clear]"""
+        """Save the steps and logged scalars of the runs so far (the newest 20,000 rows of
+        each rank), or forget them."""
 
     def _metrics(self, rest: str):
         args = _parse(self._metrics_args, rest)
@@ -169,10 +269,12 @@ class MpilabMagics(Magics):
             self.session.clear_metrics()
             print("mpilab: metrics cleared")
 
-    @magic_arguments(name="%mpilab trace")
-    @argument("--save", required=True, help="FILE.json (Chrome trace; Perfetto opens it)")
+    @magic_arguments(name="mpilab trace")
+    @argument("--save", required=True, metavar="FILE",
+              help="FILE.json: where to write it (Chrome trace format; Perfetto opens it)")
     def _trace_args(self, line):
-        """%mpilab trace --save FILE.json"""
+        """Save the ranks' timing spans (forward, backward, each collective) as a Chrome
+        trace."""
 
     def _trace(self, rest: str):
         args = _parse(self._trace_args, rest)
@@ -183,17 +285,27 @@ class MpilabMagics(Magics):
             raise UsageError(f"%mpilab {sub} takes no arguments, got {rest.strip()!r}")
 
     # -- %%ranks -----------------------------------------------------------------------
-    @magic_arguments()
-    @argument("spec", nargs="?", default="all", help="all | 0 | 0,2 | 1-3")
-    @argument("--timeout", type=float, default=None, help="stop the cell after S seconds")
-    @argument("--noblock", action="store_true", help="return at once; output still lands here")
-    @argument("--no-dashboard", action="store_true")
+    @magic_arguments(name="%ranks")
+    @argument("spec", nargs="?", default="all", metavar="RANKS",
+              help="which ranks run the cell: all (default) | 0 | 0,2 | 1-3")
+    @argument("--timeout", type=float, default=None, metavar="S",
+              help="interrupt the ranks if the cell has not finished S seconds after they "
+                   "began it")
+    @argument("--noblock", action="store_true",
+              help="return at once; the output still lands under this cell")
+    @argument("--no-dashboard", action="store_true",
+              help="no live training dashboard under this cell (the records are still kept)")
     @argument("--quiet", action="store_true", help="do not relay the ranks' output")
-    @argument("--hang-timeout", type=float, default=None,
-              help="seconds a collective may wait before the ranks are released")
+    @argument("--hang-timeout", type=float, default=None, metavar="S",
+              help="seconds a collective may wait before the ranks are released (default: "
+                   "%%mpilab start's, 30)")
     @cell_magic
     def ranks(self, line: str, cell: str):
-        """Run this cell on the ranks: %%ranks [all|0|0,2|1-3] [--timeout S] [--noblock] …"""
+        """Run this cell on the ranks. Output streams live, one line per rank (identical
+        lines once, naming the ranks); the dashboard appears once the cell logs a step."""
+        if _asks_help(line):
+            print(help_text(self.ranks), end="")
+            return
         args = _parse(self.ranks, line)
         try:
             self.session.cluster.check_usable()
@@ -209,6 +321,22 @@ class MpilabMagics(Magics):
                              dashboard=not args.no_dashboard, quiet=args.quiet,
                              hang_timeout=args.hang_timeout or self.session.hang_timeout)
         self.session.run_cell(cell, options)
+
+
+def overview() -> str:
+    """`%mpilab?` and `%mpilab help`: every subcommand in a line, then each with its options."""
+    width = max(map(len, SUBCOMMANDS))
+    lines = ["%mpilab SUBCOMMAND [options]: MPI ranks for this notebook.", ""]
+    lines += [f"  {sub:<{width}}  {SUMMARIES[sub]}" for sub in SUBCOMMANDS]
+    lines += ["", "`%mpilab SUBCOMMAND -h` shows one of them; `%%ranks?` the cell magic "
+              "that runs a cell on the ranks.", ""]
+    for sub in SUBCOMMANDS:
+        if sub != "help":
+            lines += [help_text(MpilabMagics._args_of(sub)).rstrip(), ""]
+    return "\n".join(lines) + "\n"
+
+
+MpilabMagics.mpilab.__doc__ = overview()
 
 
 def load(ipython) -> None:
