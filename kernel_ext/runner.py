@@ -422,8 +422,8 @@ class CellRunner:
         multi = len(outcome.ranks) > 1
         for ranks in _group(outcome.results):
             data = dict(outcome.results[ranks[0]])
-            label = f"Out[{rank_label(ranks)}]: " if multi else ""
-            data["text/plain"] = label + data.get("text/plain", "")
+            # named even when one rank ran the cell: `%%ranks 1` shows Out[rank 1]
+            data["text/plain"] = f"Out[{rank_label(ranks)}]: " + data.get("text/plain", "")
             _display_bundle(data)
         if not outcome.errors and not outcome.notes and not outcome.not_run:
             return
