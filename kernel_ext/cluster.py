@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import sys
 import time
@@ -258,12 +259,27 @@ class RankCluster:
         return ""
 
     def _start_failure(self, error: Exception) -> str:
-        tail = self.engine_output(lines=15)
+        """One line: what happened and the launcher's own word for why (ssh's, sbatch's,
+        srun's, an engine's), then where the launcher's whole output is."""
+        output = self.engine_output(lines=200)
         what = str(error).splitlines()[0] if str(error) else type(error).__name__
         msg = f"the ranks did not start ({what})"
-        if tail:
-            msg += "; the engines said:\n" + tail
+        cause = telling_line(output)
+        if cause:
+            msg += f": {cause}"
+        elif output:
+            msg += "; the engines said:\n" + "\n".join(output.splitlines()[-5:])
+        log = self.engine_log_path()
+        if log and output:
+            msg += f" (the launcher's whole output: {log})"
         return msg
+
+    def engine_log_path(self) -> str | None:
+        for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
+            path = getattr(engine_set, "output_file", None)
+            if path and os.path.exists(path):
+                return str(path)
+        return None
 
     def engine_output(self, lines: int = 15) -> str:
         """The last lines the engine launcher (mpiexec and the engines) wrote."""
@@ -519,6 +535,25 @@ def _quiet_log() -> logging.Logger:
         log.propagate = False
         log.setLevel(logging.ERROR)
     return log
+
+
+# the lines of a launcher's output that say why, most telling first
+_TELLING = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
+            re.compile(r"(Permission denied|Could not resolve|No route to host|Connection "
+                       r"refused|Connection timed out|Host key verification failed)"),
+            re.compile(r"mpilab-engine-exit .* did not start: "),
+            re.compile(r"\b(error|Error|ERROR)\b"))
+
+
+def telling_line(output: str) -> str | None:
+    """The line of a launcher's output that says why it failed (None: nothing does)."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    for pattern in _TELLING:
+        for line in lines:
+            if pattern.search(line):
+                return line.split(" did not start: ", 1)[-1] if "mpilab-engine-exit" in line \
+                    else line
+    return None
 
 
 def check_one_world(summaries: list[dict], n: int) -> None:

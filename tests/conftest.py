@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from cluster import emulated_cluster  # noqa: F401 - the session's emulated hosts
 from kernel import Kernel
 
 PIDS_CODE = """

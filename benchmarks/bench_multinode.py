@@ -1,0 +1,191 @@
+"""mpilab on several hosts: allreduce bandwidth and start-to-ready, against the peers.
+
+On the emulated cluster (tests/cluster.py: 2 nodes, each its own network, UTS and PID
+namespace with a real sshd and slurmd; 2 ranks a node; traffic over veth pairs and a
+bridge, not a real NIC):
+
+1. allreduce bus bandwidth (nccl-tests' busbw: 2(n-1)/n x bytes / time), float32 sum,
+   4 KiB to 64 MiB, of `mpilab.allreduce(tensor)` (the public call: node-local shared
+   memory, then MPI between the nodes), mpi4py's `Allreduce` and torch gloo's
+   `dist.all_reduce`, interleaved in one run (every repeat runs the three in turn, the
+   order rotating), median of the slowest rank's time per repeat;
+2. start-to-ready of 4 ranks through ssh (`mpiexec -f hostfile`) and through Slurm
+   (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped, torch.distributed
+   ready) against a bare ipyparallel cluster on the same launcher (engines registered),
+   alternating, median.
+
+    .venv/bin/python benchmarks/bench_multinode.py [--repeats 15] [--starts 3] [--no-start]
+
+Brings the emulated cluster up and down itself (root, Linux namespaces), or uses the one
+`python -m tests.cluster up` left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+
+MIB = 1 << 20
+SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+BACKENDS = ("mpilab", "mpi4py", "gloo")
+
+
+def measure_on_ranks(repeats: int) -> None:
+    """Runs on every rank under mpiexec: prints rank 0's table."""
+    import mpilab
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    ctx = mpilab.init()
+    comm, n = ctx.comm, ctx.world_size
+    results: dict[tuple[str, int], list[float]] = {}
+    for size in SIZES:
+        count = size // 4
+        tensor = torch.ones(count)
+        array = np.ones(count, dtype=np.float32)
+        out = np.empty_like(array)
+        loops = max(1, min(50, (32 * MIB) // size))
+        calls = {
+            "mpilab": lambda t=tensor: mpilab.allreduce(t),
+            "mpi4py": lambda a=array, o=out: comm.Allreduce(a, o),
+            "gloo": lambda t=tensor: dist.all_reduce(t),
+        }
+        for name in BACKENDS:  # warm-up: plans, connections, pages
+            for _ in range(3):
+                calls[name]()
+        for r in range(repeats):
+            order = BACKENDS[r % 3:] + BACKENDS[:r % 3]
+            for name in order:
+                comm.Barrier()
+                start = time.perf_counter()
+                for _ in range(loops):
+                    calls[name]()
+                took = (time.perf_counter() - start) / loops
+                results.setdefault((name, size), []).append(comm.allreduce(took, op=_max()))
+    nodes = len(set(comm.allgather(ctx.host)))
+    if ctx.rank != 0:
+        return
+    print(f"allreduce float32 sum, {n} ranks on {nodes} "
+          f"nodes, bus bandwidth GB/s (median of {repeats})")
+    print(f"{'size':>8} " + " ".join(f"{b:>8}" for b in BACKENDS) + "   mpilab/best peer")
+    for size in SIZES:
+        bw = {b: 2 * (n - 1) / n * size / statistics.median(results[(b, size)]) / 1e9
+              for b in BACKENDS}
+        best = max(bw["mpi4py"], bw["gloo"])
+        print(f"{_fmt(size):>8} " + " ".join(f"{bw[b]:8.3f}" for b in BACKENDS)
+              + f"   {bw['mpilab'] / best:5.2f}x")
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _fmt(n: int) -> str:
+    return f"{n // MIB}M" if n >= MIB else f"{n >> 10}K"
+
+
+def bandwidth(cluster, repeats: int) -> None:
+    hostfile = cluster.hostfile(slots_per_node=2, nodes=("node1", "node2"))
+    env = {**os.environ, **cluster.env()}
+    subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-f", str(hostfile),
+                    "-n", "4", sys.executable, __file__, "--on-ranks",
+                    "--repeats", str(repeats)], env=env, check=True, timeout=1800)
+
+
+def start_times(cluster, starts: int) -> None:
+    import ipyparallel as ipp
+    from mpilab.cluster import ClusterConfig, RankCluster
+    from mpilab.placement import SlurmSettings, batch_script
+
+    hostfile = str(cluster.hostfile(slots_per_node=2, nodes=("node1", "node2")))
+    mpiexec = str(Path(sys.executable).parent / "mpiexec")
+    engine = [sys.executable, "-m", "ipyparallel.engine"]
+
+    def mpilab_start(launcher: str) -> float:
+        config = ClusterConfig(n=4, launcher=launcher, hostfile=hostfile if launcher == "mpi"
+                               else None, slurm=SlurmSettings(nodes="2", tasks_per_node=2))
+        ranks = RankCluster(config)
+        began = time.perf_counter()
+        ranks.start()
+        took = time.perf_counter() - began
+        ranks.stop()
+        return took
+
+    def bare_start(launcher: str) -> float:
+        bare = ipp.Cluster(engines="mpi" if launcher == "mpi" else "slurm", n=4,
+                           controller_ip=cluster.head_address, log_level=40, delay=0)
+        if launcher == "mpi":
+            bare.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+            bare.config.MPIEngineSetLauncher.mpi_args = ["-f", hostfile]
+            bare.config.MPIEngineSetLauncher.engine_cmd = engine
+        else:  # the same job shape: mpiexec inside one batch job of 2 nodes
+            slurm = bare.config.SlurmEngineSetLauncher
+            slurm.engine_cmd = engine
+            slurm.batch_template = batch_script(SlurmSettings(nodes="2", tasks_per_node=2),
+                                                mpiexec)
+            slurm.batch_file_name = str(Path(bare.profile_dir) / "log" / "bare.sbatch")
+        began = time.perf_counter()
+        bare.start_cluster_sync()
+        client = bare.connect_client_sync()
+        client.wait_for_engines(4, timeout=180, interactive=False)
+        took = time.perf_counter() - began
+        client.close()
+        bare.stop_cluster_sync()
+        return took
+
+    for launcher, env in (("mpi", cluster.env()), ("slurm", cluster.job_env())):
+        saved = dict(os.environ)
+        os.environ.update(env)
+        try:
+            times: dict[str, list[float]] = {"mpilab": [], "bare": []}
+            for _ in range(starts):
+                times["mpilab"].append(mpilab_start(launcher))
+                times["bare"].append(bare_start(launcher))
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        via = "ssh (mpiexec -f)" if launcher == "mpi" else "Slurm (sbatch)"
+        print(f"start-to-ready, 4 ranks on 2 nodes through {via}, {starts} alternating "
+              f"repetitions: mpilab {med['mpilab']:.2f} s (all "
+              f"{', '.join(f'{t:.1f}' for t in times['mpilab'])}), bare ipyparallel "
+              f"{med['bare']:.2f} s (all {', '.join(f'{t:.1f}' for t in times['bare'])}), "
+              f"ratio {med['mpilab'] / med['bare']:.2f}x (target <= 1.3x)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument("--no-start", action="store_true", help="bandwidth only")
+    parser.add_argument("--on-ranks", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.on_ranks:
+        measure_on_ranks(args.repeats)
+        return 0
+    from cluster import EmulatedCluster
+
+    cluster = EmulatedCluster(("node1", "node2"))
+    cluster.up()
+    try:
+        bandwidth(cluster, args.repeats)
+        if not args.no_start:
+            start_times(cluster, args.starts)
+    finally:
+        cluster.down()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,421 @@
+"""Ranks on several hosts: mpiexec over ssh and Slurm, on the emulated cluster.
+
+The hosts are network, UTS and PID namespaces on this machine (tests/cluster.py) running
+a real sshd and a real slurmd; the notebook kernel runs on the head side. These tests
+prove real daemons and real TCP between namespaces; not real NICs, not InfiniBand.
+One cluster of ranks is shared by the tests of each launcher where state allows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from kernel import Kernel
+from listeners import is_hydra, listeners_of
+
+REPO = Path(__file__).resolve().parents[1]
+NODES = ("node1", "node2")
+
+pytestmark = pytest.mark.timeout(600)
+
+CHECK_CELL = """\
+%%ranks
+import socket, torch
+t = torch.full((3,), float(rank))
+dist.all_reduce(t)
+x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(rank))
+mpilab.allreduce(x)
+from mpilab.rank.collectives import private_comm
+from mpilab.rank.fast_allreduce import plan_for
+import hashlib
+digest = hashlib.sha1(x.numpy().tobytes()).hexdigest()
+print(socket.gethostname(), t.tolist(), comm.allreduce(rank),
+      plan_for(private_comm()).path, len(set(comm.allgather(digest))))
+"""
+
+DIGITS_SETUP = """\
+%%ranks
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from torch.utils.data import TensorDataset
+digits = load_digits()
+x_train, x_test, y_train, y_test = train_test_split(
+    digits.images / 16.0, digits.target, test_size=0.25, random_state=0,
+    stratify=digits.target)
+def as_dataset(images, labels):
+    return TensorDataset(torch.tensor(images, dtype=torch.float32).unsqueeze(1),
+                         torch.tensor(labels))
+train_set, test_set = as_dataset(x_train, y_train), as_dataset(x_test, y_test)
+def train_and_score(backend, epochs=10):
+    # notebooks/02_data_parallel's model and global batch (64) as on one node
+    torch.manual_seed(0)
+    model = mpilab.DataParallel(nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * 4 * 4, 10)), backend=backend)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    loader = mpilab.shard(train_set, batch_size=64 // world_size, seed=0)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    counts = torch.zeros(2, dtype=torch.int64)
+    with torch.no_grad():
+        for x, y in mpilab.shard(test_set, batch_size=128, shuffle=False):
+            counts += torch.tensor([int((model(x).argmax(1) == y).sum()), len(y)])
+    mpilab.allreduce(counts)
+    return counts[0].item() / counts[1].item()
+"""
+
+
+RANK_PROCESSES = ("mpilab.rank", "ipyparallel", "hydra_pmi_proxy", "mpiexec")
+
+
+def node_processes(cluster, node: str) -> dict[int, str]:
+    """What the ranks left on a node: engines, their supervisors, hydra's proxies (the
+    node's own init, sshd and slurmd are not counted)."""
+    users = set(cluster.user_pids_on(node))
+    return {pid: cmd for pid, cmd in cluster.processes_on(node).items()
+            if pid in users and any(what in cmd for what in RANK_PROCESSES)}
+
+
+def wait_nothing_left(cluster, timeout: float) -> dict[str, dict[int, str]]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {n: p for n in NODES if (p := node_processes(cluster, n))}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def rank_lines(run) -> list[str]:
+    return [line for line in run.stdout.splitlines() if line.startswith("[rank")]
+
+
+# -- mpiexec over ssh --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ssh_kernel(emulated_cluster):
+    kernel = Kernel(env=emulated_cluster.env())
+    assert kernel.run("%load_ext mpilab").ok
+    yield kernel
+    kernel.run("%mpilab stop", timeout=120)
+    kernel.shutdown()
+    assert not wait_nothing_left(emulated_cluster, 15)
+
+
+@pytest.fixture(scope="module")
+def hostfile(emulated_cluster) -> Path:
+    return emulated_cluster.hostfile(slots_per_node=2, nodes=NODES)
+
+
+START_LINES: dict[str, str] = {}  # launcher -> the latest start line
+
+
+@pytest.fixture
+def ssh_ranks(ssh_kernel, hostfile):
+    """4 ranks, 2 on each of node1 and node2, started once and reused while they live."""
+    status = ssh_kernel.run("from mpilab.session import Session\n"
+                            "print(Session.instance().cluster.running and "
+                            "not Session.instance().cluster.dead)")
+    if status.stdout.strip() != "True":
+        ssh_kernel.run("%mpilab stop", timeout=120)
+        run = ssh_kernel.run(f"%mpilab start -n 4 --hostfile {hostfile}", timeout=240)
+        assert run.ok, run.text
+        START_LINES["ssh"] = run.stdout
+    return ssh_kernel
+
+
+def test_ssh_start_names_both_hosts_and_every_rank_answers(ssh_ranks):
+    assert "4 ranks on node1, node2" in START_LINES["ssh"]
+    status = ssh_ranks.run("%mpilab status")
+    assert status.ok, status.text
+    for node in NODES:
+        assert status.text.count(node) >= 2, status.text
+    run = ssh_ranks.run(CHECK_CELL, timeout=120)
+    assert run.ok, run.text
+    # [ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1
+    assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+    assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+
+
+def test_ssh_ranks_listen_on_the_cluster_network_only(ssh_ranks, emulated_cluster):
+    run = ssh_ranks.run(CHECK_CELL, timeout=120)
+    assert run.ok, run.text
+    head = emulated_cluster.head_address
+    outside = [x for x in listeners_of(ssh_ranks.pid) if x.ip not in (head, "127.0.0.1")]
+    assert all(is_hydra(x) for x in outside), outside
+    for node in NODES:
+        address = emulated_cluster.node(node).address
+        for pid in node_processes(emulated_cluster, node):
+            try:
+                conns = psutil.Process(pid).net_connections("inet")
+            except psutil.Error:
+                continue
+            bad = [c.laddr for c in conns if c.status == psutil.CONN_LISTEN
+                   and c.laddr.ip not in (address, "127.0.0.1")]
+            assert not bad, f"{node} pid {pid} listens on {bad}"
+
+
+def test_ssh_data_parallel_on_digits_both_backends(ssh_ranks):
+    assert ssh_ranks.run(DIGITS_SETUP, timeout=120).ok
+    run = ssh_ranks.run("%%ranks\nfor b in ('mpi', 'torch'):\n"
+                        "    acc = train_and_score(b)\n"
+                        "    print(b, acc >= 0.95, f'{acc:.3f}')", timeout=400)
+    assert run.ok, run.text
+    assert "[ranks 0-3] mpi True" in run.stdout and "[ranks 0-3] torch True" in run.stdout, \
+        run.text
+
+
+def test_ssh_rank_failure_on_node2_releases_node1(ssh_ranks):
+    code = ("%%ranks\nimport torch\nkept = 41 + 1\n"
+            "if rank == 3:\n    raise ValueError('bad batch on node2')\n"
+            "mpilab.allreduce(torch.ones(4))")
+    started = time.monotonic()
+    run = ssh_ranks.run(code, timeout=120)
+    assert time.monotonic() - started < 10, run.text
+    assert "ValueError: bad batch on node2" in run.text
+    assert "when rank 3 failed" in run.text, run.text
+    after = ssh_ranks.run("%%ranks\nprint(kept)")
+    assert after.ok and "[ranks 0-3] 42" in after.stdout, after.text
+
+
+def test_ssh_killed_rank_on_node2_is_named_then_restart(ssh_ranks, emulated_cluster):
+    pids = ssh_ranks.run("%%ranks\nimport os\nprint(os.getpid())")
+    assert pids.ok
+    code = "%%ranks\nimport os, signal, time\nif rank == 2:\n    os.kill(os.getpid(), " \
+           "signal.SIGKILL)\ntime.sleep(30)"
+    started = time.monotonic()
+    run = ssh_ranks.run(code, timeout=120)
+    took = time.monotonic() - started
+    assert "rank 2 (pid" in run.text and "on node2) died: killed by signal 9" in run.text, \
+        run.text
+    assert took < 5 + 2, f"{took:.1f} s"
+    restarted = ssh_ranks.run("%mpilab restart", timeout=240)
+    assert restarted.ok and "4 ranks on node1, node2" in restarted.stdout, restarted.text
+    again = ssh_ranks.run("%%ranks\nprint(rank)")
+    assert again.ok and len(rank_lines(again)) == 4, again.text
+
+
+def test_ssh_node2_cut_off_is_named_and_stop_leaves_nothing(ssh_ranks, emulated_cluster):
+    try:
+        ssh_ranks.run("%%ranks --noblock\nimport time\nfor i in range(600):\n"
+                      "    time.sleep(0.1)\n    mpilab.allreduce(torch.ones(2))")
+        time.sleep(2)
+        emulated_cluster.link_down("node2")
+        started = time.monotonic()
+        run = ssh_ranks.run("%%ranks\nprint('next')", timeout=120)
+        text = run.text + "".join(
+            str(m["content"]) for m in ssh_ranks.collect_iopub(0))
+        assert "rank 2" in text and "rank 3" in text and "node2" in text, text
+        assert "cannot be reached" in text or "no heartbeat" in text, text
+        assert time.monotonic() - started < 60
+        stopped = ssh_ranks.run("%mpilab stop", timeout=120)
+        assert stopped.ok, stopped.text
+        # node2 cannot hear the stop; its supervisors give up on the silent notebook
+        left = wait_nothing_left(emulated_cluster, 30)
+        assert not left, left
+    finally:
+        emulated_cluster.link_up("node2")
+
+
+def test_batch_job_under_mpiexec_with_a_hostfile(emulated_cluster, hostfile, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import socket, torch, mpilab\n"
+        "ctx = mpilab.init()\n"
+        "model = mpilab.DataParallel(torch.nn.Linear(8, 1))\n"
+        "model(torch.ones(4, 8)).sum().backward()\n"
+        "x = mpilab.allreduce(torch.ones(3))\n"
+        "print(ctx.rank, socket.gethostname(), x.tolist(), flush=True)\n")
+    mpiexec = str(REPO / ".venv/bin/mpiexec")
+    done = subprocess.run([mpiexec, "-f", str(hostfile), "-n", "4", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **emulated_cluster.env()})
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = sorted(done.stdout.split("\n"))
+    assert [line.split()[1] for line in lines if line] == ["node1", "node1", "node2", "node2"]
+    assert all("[4.0, 4.0, 4.0]" in line for line in lines if line)
+
+
+def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostfile):
+    kernel = Kernel(env=emulated_cluster.env())
+    try:
+        run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 --hostfile {hostfile}",
+                         timeout=240)
+        assert run.ok, run.text
+        assert node_processes(emulated_cluster, "node2")
+        os.kill(kernel.pid, signal.SIGKILL)
+        left = wait_nothing_left(emulated_cluster, 10)
+        assert not left, left
+    finally:
+        kernel.kc.stop_channels()
+        kernel.km.cleanup_resources()
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{subnet}.99:2", "did not start"),  # no host has this address
+])
+def test_ssh_bad_hostfile_is_one_line_and_leaves_nothing(ssh_kernel, emulated_cluster,
+                                                          tmp_path, line, message):
+    ssh_kernel.run("%mpilab stop", timeout=120)
+    bad = tmp_path / "hosts"
+    bad.write_text(line.format(subnet=emulated_cluster.head_address.rsplit(".", 1)[0]) + "\n")
+    started = time.monotonic()
+    run = ssh_kernel.run(f"%mpilab start -n 2 --hostfile {bad} --timeout 60", timeout=200)
+    assert not run.ok
+    assert message in run.text
+    assert "Traceback" not in run.text
+    assert time.monotonic() - started < 60
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
+def test_ssh_refused_is_ssh_s_line(ssh_kernel, emulated_cluster, hostfile, tmp_path):
+    """A key the hosts do not accept: ssh's own words, and nothing left anywhere."""
+    ssh_kernel.run("%mpilab stop", timeout=120)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "key")],
+                   check=True)
+    config = (emulated_cluster.ssh_dir / "config").read_text()
+    config = "\n".join(f"  IdentityFile {tmp_path / 'key'}" if "IdentityFile" in line else line
+                       for line in config.splitlines())
+    (tmp_path / "config").write_text(config + "\n")
+    wrapper = tmp_path / "bin" / "ssh"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {tmp_path / 'config'} \"$@\"\n")
+    wrapper.chmod(0o755)
+    run = ssh_kernel.run(
+        f"import os\n_path = os.environ['PATH']\nos.environ['PATH'] = '{wrapper.parent}:' + _path\n"
+        f"try:\n    get_ipython().run_line_magic('mpilab', 'start -n 4 --hostfile {hostfile}')\n"
+        "finally:\n    os.environ['PATH'] = _path", timeout=200)
+    assert not run.ok
+    assert "Permission denied (publickey" in run.text, run.text
+    assert "Traceback" not in run.text.split("UsageError")[-1]
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
+# -- Slurm ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def slurm_kernel(emulated_cluster):
+    """A kernel that submits batch jobs: the nodes' own mpiexec starts the ranks inside."""
+    kernel = Kernel(env=emulated_cluster.job_env())
+    assert kernel.run("%load_ext mpilab").ok
+    yield kernel
+    kernel.run("%mpilab stop", timeout=120)
+    kernel.shutdown()
+    assert not emulated_cluster.squeue()
+
+
+SLURM_START = ("%mpilab start -n 4 --launcher slurm --partition debug --time 10 --nodes 2 "
+               "--tasks-per-node 2 --account research --sbatch-option=--comment=mpilab-test")
+
+
+def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulated_cluster):
+    run = slurm_kernel.run(SLURM_START, timeout=240)
+    assert run.ok, run.text
+    assert "4 ranks on node1, node2" in run.stdout
+    jobs = emulated_cluster.squeue()
+    assert len(jobs) == 1 and jobs[0]["state"] == "RUNNING", jobs
+    shown = emulated_cluster.slurm_cmd("scontrol", "show", "job", jobs[0]["id"]).stdout
+    assert "Partition=debug" in shown and "TimeLimit=00:10:00" in shown, shown
+    assert "Comment=mpilab-test" in shown and "Account=research" in shown, shown
+    check = slurm_kernel.run(CHECK_CELL, timeout=120)
+    assert check.ok, check.text
+    assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in check.stdout, check.text
+    assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in check.stdout, check.text
+    assert slurm_kernel.run(DIGITS_SETUP, timeout=120).ok
+    trained = slurm_kernel.run("%%ranks\nacc = train_and_score('mpi')\n"
+                               "print(acc >= 0.95, f'{acc:.3f}')", timeout=300)
+    assert trained.ok and "[ranks 0-3] True" in trained.stdout, trained.text
+    stopped = slurm_kernel.run("%mpilab stop", timeout=120)
+    assert stopped.ok, stopped.text
+    assert emulated_cluster.squeue() == []
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
+def test_slurm_bad_partition_is_sbatch_s_line(slurm_kernel, emulated_cluster):
+    run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --partition nosuch", timeout=120)
+    assert not run.ok
+    assert "nosuch" in run.text and "Traceback" not in run.text, run.text
+    assert emulated_cluster.squeue() == []
+
+
+def test_slurm_kernel_killed_ends_the_job(emulated_cluster):
+    kernel = Kernel(env=emulated_cluster.job_env())
+    try:
+        run = kernel.run("%load_ext mpilab\n%mpilab start -n 4 --launcher slurm --nodes 2",
+                         timeout=240)
+        assert run.ok, run.text
+        os.kill(kernel.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (emulated_cluster.squeue()
+                                               or wait_nothing_left(emulated_cluster, 0)):
+            time.sleep(0.2)
+        assert not wait_nothing_left(emulated_cluster, 0)
+        assert emulated_cluster.squeue() == []
+    finally:
+        kernel.kc.stop_channels()
+        kernel.km.cleanup_resources()
+
+
+def test_slurm_inside_an_allocation(emulated_cluster):
+    """salloc's allocation (its variables in the kernel): the ranks go into it."""
+    out = emulated_cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
+                                     "--ntasks-per-node", "2", "-t", "10").stderr
+    job = next(w for w in out.split() if w.isdigit())
+    try:
+        env = {**emulated_cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job,
+               "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
+               "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
+               "SLURM_TASKS_PER_NODE": "2(x2)"}
+        kernel = Kernel(env=env)
+        try:
+            too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")
+            assert not too_many.ok
+            assert f"allocation {job} holds 4 tasks, fewer than -n 6" in too_many.text
+            run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
+            assert run.ok, run.text
+            assert "4 ranks on node1, node2" in run.stdout
+            assert [j["id"] for j in emulated_cluster.squeue()] == [job]
+            check = kernel.run(CHECK_CELL, timeout=120)
+            assert check.ok and "hierarchical 1" in check.stdout, check.text
+            assert kernel.run("%mpilab stop", timeout=120).ok
+            assert not wait_nothing_left(emulated_cluster, 10)
+            assert [j["id"] for j in emulated_cluster.squeue()] == [job]  # the user's
+        finally:
+            kernel.run("%mpilab stop", timeout=120)
+            kernel.shutdown()
+    finally:
+        emulated_cluster.slurm_cmd("scancel", job, check=False)
+
+
+def test_listen_address_is_chosen_or_one_line(tmp_path):
+    """Pure logic: loopback where the ranks run here, else a one-line choice."""
+    from mpilab.placement import ClusterError, place
+
+    assert place("mpi", None, None, _settings()).listen_ip == "127.0.0.1"
+    local = tmp_path / "local"
+    local.write_text("localhost:2\n")
+    assert place("mpi", str(local), None, _settings()).listen_ip == "127.0.0.1"
+    unknown = tmp_path / "unknown"
+    unknown.write_text("no-such-host.invalid:2\n")
+    with pytest.raises(ClusterError, match="give --controller-ip, one of"):
+        place("mpi", str(unknown), None, _settings())
+    with pytest.raises(ClusterError, match="cannot reach this host's loopback"):
+        place("mpi", str(unknown), "127.0.0.1", _settings())
+
+
+def _settings():
+    from mpilab.placement import SlurmSettings
+
+    return SlurmSettings()
+
