@@ -8,7 +8,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
-from plotly.offline import get_plotlyjs_version
+from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 MAX_POINTS = 2000  # per trace: the browser stays fast however long the run
 EXACT_POINTS = 100  # the newest points are never averaged, so "now" is exact; few, as
@@ -23,6 +23,8 @@ PLOTLY_MIME = "application/vnd.plotly.v1+json"
 # plotly's own include_plotlyjs="cdn" hashes its 4.6 MB plotly.js for the script tag's
 # integrity attribute on every call (17 of a dashboard's 20 ms); a URL skips that
 _PLOTLYJS_CDN = f"https://cdn.plot.ly/plotly-{get_plotlyjs_version()}.min.js"
+# how plotly's to_html writes that script tag
+_PLOTLYJS_TAG = f'<script charset="utf-8" src="{_PLOTLYJS_CDN}"></script>'
 
 
 def rank_color(rank: int) -> str:
@@ -154,7 +156,8 @@ def figure_bundle(fig: go.Figure, text: str | None = None) -> dict:
     """A display bundle for a static figure that renders everywhere.
 
     JupyterLab draws the plotly mime type; nbconvert HTML and other frontends without
-    the plotly renderer use the HTML (plotly.js from the CDN); terminals get the text.
+    the plotly renderer use the HTML (plotly.js from the CDN, or inside the page with
+    `inline_plotlyjs`, as `mpilab run --html` does); terminals get the text.
     """
     return {
         PLOTLY_MIME: json.loads(pio.to_json(fig, validate=False)),
@@ -167,6 +170,24 @@ def figure_html(fig: go.Figure) -> str:
     """The figure as an HTML fragment that loads plotly.js from the CDN."""
     return pio.to_html(fig, include_plotlyjs=_PLOTLYJS_CDN, full_html=False, validate=False,
                        config={"displaylogo": False, "responsive": True})
+
+
+def inline_plotlyjs(html: str) -> str:
+    """`html` (a page or fragment holding `figure_html` figures) with plotly.js inside
+    instead of fetched from the CDN: the first figure's script tag becomes plotly.js
+    itself (4.6 MB, once per page), the others go. A page exported on a cluster node
+    without internet then shows its plots; one without figures is returned unchanged.
+
+    A notebook's outputs keep the CDN tag (the file stays small); `mpilab run --html`
+    passes its page through this.
+    """
+    first = html.find(_PLOTLYJS_TAG)
+    if first < 0:
+        return html
+    # a "</script" inside the code would end the tag early; plotly.min.js has none
+    code = get_plotlyjs().replace("</script", "<\\/script")
+    rest = html[first + len(_PLOTLYJS_TAG):].replace(_PLOTLYJS_TAG, "")
+    return f'{html[:first]}<script charset="utf-8">{code}</script>{rest}'
 
 
 def _title(fig: go.Figure) -> str:
