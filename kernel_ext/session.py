@@ -5,6 +5,7 @@ The magics call this; plain Python can too (``Session.instance().start(ClusterCo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
@@ -12,6 +13,7 @@ from .runner import CellRunner, RunOptions, parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
+WARM_WIDGETS_WAIT_S = 10.0  # at most this long after the ranks are ready
 
 
 class Session:
@@ -37,8 +39,12 @@ class Session:
                 "ranks are already running: `%mpilab stop` or `%mpilab restart` first"
             )
         self.cluster.config = config
+        warm = _warm_widgets(config.n)  # while the ranks start (they take seconds)
         report = self.cluster.start()
         self._started_once = True
+        warm.join(WARM_WIDGETS_WAIT_S)
+        if self.cluster.world_size != config.n:  # a Slurm job may size it otherwise
+            _warm_widgets(self.cluster.world_size).join(WARM_WIDGETS_WAIT_S)
         return report
 
     def stop(self) -> str:
@@ -104,17 +110,39 @@ class Session:
             raise ClusterError(f"{path}: a trace is saved as .json (Chrome trace format)")
         return _written(self._store().save_trace, path)
 
-    def bench(self, op: str, sizes: str, backends: str) -> tuple[list[dict], float]:
-        """Measure a collective on the running ranks: (rows, memcpy ceiling GB/s)."""
-        from .rank.bench import parse_backends, parse_sizes
-        from .rank.engine import bench_here
+    def bench(self, op: str, sizes: str, backends: str,
+              progress: Callable[[int, int, int], None] | None = None
+              ) -> tuple[list[dict], float]:
+        """Measure a collective on the running ranks: (rows, memcpy ceiling GB/s).
+
+        One message size at a time (the ranks measure every backend at a size before the
+        next one anyway), so `progress(done, total, size)` can tell after each; then the
+        node's single-core memory-copy bandwidth on rank 0, for the plot's ceiling.
+        """
+        from .rank.bench import memcpy_bandwidth, run_bench
 
         self.cluster.check_usable()
-        engines = self.cluster.engines()
-        ar = self.cluster.client[engines].apply_async(
-            bench_here, op, parse_sizes(sizes), parse_backends(backends))
+        sizes_list, backend_list = bench_arguments(sizes, backends)
+        rows: list[dict] = []
+        notes: list[dict] = []  # a backend that cannot run says so once, not at each size
+        for done, size in enumerate(sizes_list):
+            measured = self._on_ranks(run_bench, op, [size], backend_list)[0]
+            rows += [row for row in measured if row.get("time_s") is not None]
+            if done == 0:
+                notes = [row for row in measured if row.get("time_s") is None]
+            if progress is not None:
+                progress(done + 1, len(sizes_list), size)
+        ceiling = self._on_ranks(memcpy_bandwidth, max(64 << 20, max(sizes_list)),
+                                 ranks=[0])[0]
+        return notes + rows, ceiling
+
+    def _on_ranks(self, function, *args, ranks: list[int] | None = None) -> list:
+        """`function(*args)` on the ranks (all, or `ranks`), their results in rank order;
+        the stop button interrupts them, their errors become one line."""
+        engines = self.cluster.engines(ranks)
+        ar = self.cluster.client[engines].apply_async(function, *args)
         try:
-            results = ar.get()
+            return ar.get()
         except KeyboardInterrupt:
             self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
             raise
@@ -122,17 +150,34 @@ class Session:
             from .cluster import _remote_message
 
             raise ClusterError(f"bench: {_remote_message(e)}") from None
-        rows, ceiling = results[0]
-        return rows, ceiling
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
-        """`%mpilab bench`: the table, then the bandwidth plot with the ceiling."""
-        from IPython.display import display
-        from mpilab.widgets import bench_figure, bench_table, figure_bundle
+        """`%mpilab bench`: a progress line while it measures (a minute for the full range
+        on a busy node), then the table and the bandwidth plot with the ceiling. A
+        backend that cannot run is named once, in the table (not in the plot too)."""
+        import time
+        import uuid
 
-        rows, ceiling = self.bench(op, sizes, backends)
+        from IPython.display import display, update_display
+        from mpilab.widgets import bench_figure, bench_table, figure_bundle, human_bytes
+
+        started, shown = time.monotonic(), uuid.uuid4().hex
+        total = len(bench_arguments(sizes, backends)[0])
+
+        def progress_bundle(done: int, size: int | None) -> dict:
+            at = f", {human_bytes(size, 'B')} done" if size else ""
+            text = (f"mpilab bench {op}: {done}/{total} message sizes{at} "
+                    f"[{time.monotonic() - started:.0f} s]")
+            bar = f"<progress value='{done}' max='{total}' style='width:30%'></progress> "
+            return {"text/plain": text,
+                    "text/html": f"<div class='mpilab-progress'>{bar}{text}</div>"}
+
+        display(progress_bundle(0, None), raw=True, display_id=shown)
+        rows, ceiling = self.bench(op, sizes, backends, progress=lambda done, _, size:
+                                   update_display(progress_bundle(done, size), raw=True,
+                                                  display_id=shown))
         print(bench_table(rows, ceiling))
-        display(figure_bundle(bench_figure(rows, ceiling)), raw=True)
+        display(figure_bundle(bench_figure(rows, ceiling, notes=False)), raw=True)
 
     def show_dashboard(self) -> None:
         """The dashboard of the latest run. It follows the run's records until they
@@ -174,6 +219,40 @@ class Session:
         table = StatusTable(rank_info, self.cluster.store)
         table.start()
         display(table)
+
+
+def _warm_widgets(world_size: int):
+    """Build the first dashboard's figure for `world_size` ranks on a thread (returned):
+    the first training cell's dashboard then appears as fast as the second's."""
+    import threading
+
+    def warm() -> None:
+        from mpilab.widgets import warm_up
+
+        try:
+            warm_up(world_size)
+        except Exception:  # noqa: BLE001 - only a head start: the dashboard says what fails
+            pass
+
+    thread = threading.Thread(target=warm, daemon=True, name="mpilab-warm-dashboard")
+    thread.start()
+    return thread
+
+
+def bench_arguments(sizes: str, backends: str) -> tuple[list[int], list[str]]:
+    """--sizes and --backends as lists, checked before anything is shown or measured (the
+    ranks check them too); a mistake is one line."""
+    from .rank.bench import BACKENDS, parse_backends, parse_sizes
+
+    try:
+        sizes_list = parse_sizes(sizes)
+    except ValueError as e:
+        raise ClusterError(str(e)) from None
+    backend_list = parse_backends(backends)
+    unknown = [b for b in backend_list if b not in BACKENDS]
+    if unknown:
+        raise ClusterError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")
+    return sizes_list, backend_list
 
 
 def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -> str:

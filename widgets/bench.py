@@ -30,10 +30,14 @@ def _notes(rows: list[dict]) -> list[str]:
     return [f"{row['backend']}: {row['note']}" for row in rows if row.get("time_s") is None]
 
 
-def bench_figure(rows: list[dict], memcpy_gbps: float | None = None) -> go.Figure:
-    """algbw and busbw against message size (log x), one line per backend, memcpy as ceiling."""
+def bench_figure(rows: list[dict], memcpy_gbps: float | None = None,
+                 notes: bool = True) -> go.Figure:
+    """algbw and busbw against message size (log x), one line per backend, memcpy as ceiling.
+
+    `notes`: name the backends that could not run under the plot (not where the table,
+    which names them too, is shown beside it)."""
     ops = sorted({row["op"] for row in rows})
-    notes = _notes(rows)
+    notes = _notes(rows) if notes else []
     rows = _measured(rows)
     fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
                         subplot_titles=("algorithm bandwidth (algbw)", "bus bandwidth (busbw)"))
