@@ -1,15 +1,20 @@
-"""The `mpilab` command: lab, run, bench, doctor."""
+"""The `mpilab` command: lab, run, bench, doctor, install-kernel."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-PACKAGE_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+KERNEL_NAME = "mpilab"
+KERNEL_DISPLAY_NAME = "Python (mpilab)"
+DEFAULT_NOTEBOOK_DIR = "~/mpilab-notebooks"
 
 
 def _fail(message: str) -> int:
@@ -17,31 +22,133 @@ def _fail(message: str) -> int:
     return 2
 
 
-def kernel_ipython_dir() -> Path:
-    """An IPython dir whose kernels load the mpilab extension at start."""
-    base = Path(os.environ.get("MPILAB_HOME", Path.home() / ".mpilab")) / "ipython"
-    config = base / "profile_default" / "ipython_kernel_config.py"
-    config.parent.mkdir(parents=True, exist_ok=True)
-    text = 'c.InteractiveShellApp.extensions = ["mpilab"]\n'
-    if not config.exists() or config.read_text() != text:
-        config.write_text(text)
-    return base
+def examples_dir() -> Path | None:
+    """The example notebooks: `mpilab.examples` in an installed wheel (package data), the
+    checkout's notebooks/ in an editable install; None when neither is there."""
+    spec = importlib.util.find_spec("mpilab.examples")
+    if spec is not None and spec.submodule_search_locations:
+        for location in spec.submodule_search_locations:
+            if any(Path(location).glob("*.ipynb")):
+                return Path(location)
+    checkout = Path(__file__).resolve().parent.parent / "notebooks"
+    return checkout if any(checkout.glob("*.ipynb")) else None
+
+
+def kernel_spec() -> dict:
+    """A kernel that loads the extension at start: notebooks begin with `%mpilab start`,
+    and the user's own IPython configuration stays in effect."""
+    return {
+        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
+                 f"--ext={KERNEL_NAME}"],
+        "display_name": KERNEL_DISPLAY_NAME,
+        "language": "python",
+        "metadata": {"debugger": True},
+    }
+
+
+def install_kernel(user: bool | None = None, prefix: str | None = None) -> tuple[Path, bool]:
+    """Install the "Python (mpilab)" kernelspec; returns (its folder, whether it changed).
+
+    Default place: this environment's share/jupyter/kernels inside a virtual environment
+    (the kernel goes away with it), else the user's kernels folder.
+    """
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if user is None and prefix is None:
+        if sys.prefix != sys.base_prefix:
+            prefix = sys.prefix
+        else:
+            user = True
+    spec = kernel_spec()
+    manager = KernelSpecManager()
+    try:
+        current = manager.get_kernel_spec(KERNEL_NAME)
+        if _same_command(current.argv, spec["argv"]) \
+                and current.display_name == spec["display_name"]:
+            return Path(current.resource_dir), False
+    except Exception:  # noqa: BLE001 - jupyter_client raises NoSuchKernel: not installed
+        pass
+    with tempfile.TemporaryDirectory() as staging:
+        (Path(staging) / "kernel.json").write_text(json.dumps(spec, indent=1))
+        where = manager.install_kernel_spec(staging, KERNEL_NAME, user=bool(user),
+                                            prefix=None if user else prefix)
+    return Path(where), True
+
+
+def _same_command(a: list[str], b: list[str]) -> bool:
+    """The same kernel command, whichever name of this Python started it (bin/python and
+    bin/python3 of one virtual environment are one interpreter)."""
+    if not a or not b or a[1:] != b[1:]:
+        return False
+    return a[0] == b[0] or (Path(a[0]).parent == Path(b[0]).parent
+                            and os.path.realpath(a[0]) == os.path.realpath(b[0]))
+
+
+def prepare_notebooks(directory: Path) -> list[Path]:
+    """Copy the example notebooks that are not there yet into `directory`/examples and
+    return those copied: the user runs and edits copies, never the package's (or the
+    checkout's) own files, and a copy they changed is never overwritten."""
+    source = examples_dir()
+    if source is None:
+        return []
+    target = directory / "examples"
+    target.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for notebook in sorted(source.glob("*.ipynb")):
+        destination = target / notebook.name
+        if not destination.exists():
+            shutil.copyfile(notebook, destination)
+            copied.append(destination)
+    return copied
+
+
+def lab_command(args) -> tuple[list[str], Path] | int:
+    """(JupyterLab's command line, its root folder), or an exit status after a message."""
+    if args.notebook:
+        notebook = Path(args.notebook).expanduser().resolve()
+        if not notebook.exists():
+            hint = (" (options for jupyter lab take their value after '=', as in --port=9999)"
+                    if args.lab_args else "")
+            return _fail(f"{notebook}: no such notebook{hint}")
+        root, opened = notebook.parent, notebook.name
+    else:
+        root = Path(args.dir or os.environ.get("MPILAB_NOTEBOOKS", DEFAULT_NOTEBOOK_DIR))
+        root = root.expanduser().resolve()
+        copied = prepare_notebooks(root)
+        if copied:
+            print(f"mpilab: copied {len(copied)} example notebooks into {root / 'examples'}")
+        quickstart = root / "examples" / "01_quickstart.ipynb"
+        if not quickstart.exists():
+            return _fail(f"no example notebooks to open in {root}: this mpilab has none "
+                         "(pass a notebook: mpilab lab NOTEBOOK)")
+        opened = "examples/01_quickstart.ipynb"
+    where, changed = install_kernel()
+    if changed:
+        print(f"mpilab: installed the kernel {KERNEL_DISPLAY_NAME!r} in {where}")
+    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={root}",
+           f"--LabApp.default_url=/lab/tree/{opened}", *args.lab_args]
+    if os.geteuid() == 0:  # containers and CI machines run as root; JupyterLab refuses
+        cmd.append("--allow-root")
+    return cmd, root
 
 
 def cmd_lab(args) -> int:
-    """JupyterLab with the extension loaded in every kernel and the quickstart open."""
-    notebook = Path(args.notebook) if args.notebook else PACKAGE_NOTEBOOKS / "01_quickstart.ipynb"
-    if not notebook.exists():
-        hint = (" (options for jupyter lab take their value after '=', as in --port=9999)"
-                if args.lab_args else "")
-        return _fail(f"{notebook}: no such notebook{hint}")
-    env = {**os.environ, "IPYTHONDIR": str(kernel_ipython_dir())}
-    cmd = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={notebook.parent}",
-           f"--LabApp.default_url=/lab/tree/{notebook.name}", *args.lab_args]
-    if os.geteuid() == 0:  # containers and CI machines run as root; JupyterLab refuses
-        cmd.append("--allow-root")
+    """JupyterLab on copies of the examples (or a notebook given), the quickstart open,
+    with the "Python (mpilab)" kernel installed."""
+    prepared = lab_command(args)
+    if isinstance(prepared, int):
+        return prepared
+    cmd, _ = prepared
     # become JupyterLab: signals (Ctrl-C, a terminate) then reach the server itself
-    os.execve(sys.executable, cmd, env)
+    os.execv(sys.executable, cmd)
+
+
+def cmd_install_kernel(args) -> int:
+    """Install the kernelspec for a JupyterLab or Notebook the user runs themselves."""
+    where, changed = install_kernel(user=True if args.user else None, prefix=args.prefix)
+    state = "installed" if changed else "already installed"
+    print(f"mpilab: kernel {KERNEL_DISPLAY_NAME!r} {state} in {where}")
+    return 0
 
 
 def cmd_run(args) -> int:
@@ -57,9 +164,14 @@ def cmd_run(args) -> int:
         nb = nbformat.read(source, as_version=4)
     except Exception as e:  # noqa: BLE001 - any unreadable file gets one line
         return _fail(f"{source}: not a readable notebook ({e})")
+    # A notebook for the "Python (mpilab)" kernel runs in what that kernelspec starts:
+    # this Python's kernel with the extension loaded (installed or not); any other in
+    # this Python's kernel, as before (such notebooks load the extension themselves).
+    wants_mpilab = nb.metadata.get("kernelspec", {}).get("name") == KERNEL_NAME
     # no widget state in the saved notebook: each live dashboard would add megabytes,
     # and its static plot (the cell's final output) is what a reader of the file needs
     client = NotebookClient(nb, timeout=args.cell_timeout, kernel_name="python3",
+                            extra_arguments=[f"--ext={KERNEL_NAME}"] if wants_mpilab else [],
                             store_widget_state=False,
                             resources={"metadata": {"path": str(source.parent.resolve())}})
     status = 0
@@ -75,11 +187,13 @@ def cmd_run(args) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, out)
     if args.html:
+        from mpilab.widgets.plotting import inline_plotlyjs
         from nbconvert import HTMLExporter
 
         html, _ = HTMLExporter().from_notebook_node(nb)
         Path(args.html).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.html).write_text(html)
+        # plotly.js inside the page: a cluster node without internet shows the plots
+        Path(args.html).write_text(inline_plotlyjs(html))
     if status == 0:
         print(f"mpilab: ran {source}" + (f" → {out}" if out else "")
               + (f", {args.html}" if args.html else ""))
@@ -191,24 +305,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="mpilab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    lab = sub.add_parser("lab", help="JupyterLab with mpilab loaded and the examples open")
-    lab.add_argument("notebook", nargs="?", help="default: the quickstart; other options "
-                     "(e.g. --ServerApp.port=9999) go to jupyter lab")
+    lab = sub.add_parser(
+        "lab", help="JupyterLab with the examples and the \"Python (mpilab)\" kernel",
+        description="Copies the example notebooks that are missing into DIR/examples (your "
+        "copies: edit them freely), installs the \"Python (mpilab)\" kernel, which loads "
+        "the extension, and opens the quickstart in JupyterLab. Other options (e.g. "
+        "--ServerApp.port=9999) go to jupyter lab.")
+    lab.add_argument("notebook", nargs="?",
+                     help="open this notebook instead (JupyterLab's root is its folder)")
+    lab.add_argument("--dir", help="JupyterLab's root folder, where the examples are copied "
+                     f"(default: $MPILAB_NOTEBOOKS, else {DEFAULT_NOTEBOOK_DIR})")
     lab.set_defaults(func=cmd_lab)
 
-    run = sub.add_parser("run", help="execute a notebook headless, with its ranks")
+    run = sub.add_parser(
+        "run", help="execute a notebook headless, with its ranks",
+        description="Runs every cell as JupyterLab would (a notebook for the \"Python "
+        "(mpilab)\" kernel gets the extension loaded; others load it themselves), in the "
+        "notebook's folder, and saves the executed notebook and an HTML page that shows its "
+        "plots without a network (plotly.js inside).")
     run.add_argument("notebook")
     run.add_argument("-o", "--output", help="write the executed notebook here")
-    run.add_argument("--html", help="also write it as HTML here")
-    run.add_argument("--cell-timeout", type=int, default=900)
+    run.add_argument("--html", help="also write it as a self-contained HTML page here")
+    run.add_argument("--cell-timeout", type=int, default=900,
+                     help="seconds a cell may run (default 900)")
     run.set_defaults(func=cmd_run)
+
+    kernel = sub.add_parser(
+        "install-kernel", help="install the \"Python (mpilab)\" kernel for your own Jupyter",
+        description="A kernelspec whose kernels load the mpilab extension at start. Default "
+        "place: this virtual environment, else your user's kernels.")
+    kernel.add_argument("--user", action="store_true", help="in your user's kernels folder")
+    kernel.add_argument("--prefix", help="under PREFIX/share/jupyter/kernels")
+    kernel.set_defaults(func=cmd_install_kernel)
 
     bench = sub.add_parser("bench", help="measure a collective across ranks")
     bench.add_argument("op", choices=["allreduce", "broadcast", "allgather"])
-    bench.add_argument("-n", type=int, default=2)
-    bench.add_argument("--sizes", default="4K:64M")
-    bench.add_argument("--backends", default="mpi,gloo,mpilab")
-    bench.add_argument("--mpiexec", default=None)
+    bench.add_argument("-n", type=int, default=2, help="ranks (default 2)")
+    bench.add_argument("--sizes", default="4K:64M",
+                       help="message sizes: every power of two from:to (default 4K:64M)")
+    bench.add_argument("--backends", default="mpi,gloo,mpilab",
+                       help="any of mpi, gloo, nccl, mpilab (default mpi,gloo,mpilab)")
+    bench.add_argument("--mpiexec", default=None, help="the mpiexec to use")
     bench.set_defaults(func=cmd_bench)
 
     doctor = sub.add_parser("doctor", help="check MPI, torch and devices")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -16,11 +18,20 @@ MPILAB = str(Path(sys.executable).parent / "mpilab")
 
 def run_notebook(name: str, tmp_path: Path) -> nbformat.NotebookNode:
     out, html = tmp_path / name, tmp_path / (Path(name).stem + ".html")
+    before = _snapshot(ROOT / "notebooks")
     proc = subprocess.run([MPILAB, "run", str(ROOT / "notebooks" / name), "-o", str(out),
                            "--html", str(html)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert html.stat().st_size > 0
+    # running an example leaves the repository as it was: no outputs saved into it, no
+    # file written beside it
+    assert _snapshot(ROOT / "notebooks") == before
     return nbformat.read(out, as_version=4)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def cell_text(cell) -> str:
@@ -40,8 +51,40 @@ def test_example_notebook_runs(name, tmp_path):
     if name.startswith("01"):
         assert "[ranks 0-1] same on every rank" in text
         assert "[ranks 0-1] [3.0, 3.0, 3.0, 3.0] 3" in text
+        _check_quickstart(nb, text)
     else:
         assert re.search(r"allreduce\s+mpilab\s+4K", text)
+
+
+def _check_quickstart(nb, text: str) -> None:
+    """It trains with a dashboard (a static plot once the cell is over), shows the status
+    table, and needs no `%load_ext` (its kernel loads the extension)."""
+    assert nb.metadata.kernelspec.name == "mpilab"
+    sources = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert not any("%load_ext" in s for s in sources)
+    train = next(c for c in nb.cells
+                 if c.cell_type == "code" and "mpilab.DataParallel" in c.source)
+    agreement = [int(a) for a in re.findall(r"agrees with the teacher on (\d+)%", text)]
+    assert len(agreement) == 2 and min(agreement) >= 80, text
+    plots = [o for o in train.outputs if "application/vnd.plotly.v1+json" in o.get("data", {})]
+    assert len(plots) == 1, [o.get("data", {}).keys() for o in train.outputs]
+    assert "mpilab dashboard: 2 ranks, step 600" in plots[0]["data"]["text/plain"]
+    traces = plots[0]["data"]["application/vnd.plotly.v1+json"]["data"]
+    loss = _values(next(t for t in traces if t.get("name") == "loss")["y"])
+    assert len(loss) > 100 and loss[-10:].mean() < loss[:10].mean() / 2, loss
+    assert re.search(r"train: 600/600", text)
+    status = next(c for c in nb.cells if c.get("source", "").strip() == "%mpilab status")
+    table = cell_text(status)
+    assert re.search(r"^rank\s+host\s+pid\s+device\s+state", table, re.M), table
+    assert re.search(r"^1\s+\S+\s+\d+\s+cpu \(gloo\)\s+idle", table, re.M), table
+    assert "Out[rank 1]: {'rank': 1, 'squares': [0, 1, 4, 9, 16]}" in text
+
+
+def _values(array) -> np.ndarray:
+    """A plotly JSON array: a list, or typed-array bytes ({"bdata": base64, "dtype"})."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
+    return np.asarray(array, dtype=float)
 
 
 def test_data_parallel_notebook_reaches_95_percent(tmp_path):
