@@ -4,19 +4,22 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install lab test demo lint bench clean
+.PHONY: install lab test demo lint bench gpu-check clean
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# constraints pin torch to the CPU build for development; users get an open range
-	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev]'
+	# constraints pin torch to the CPU build for development; users get an open range.
+	# The examples' data sets (scikit-learn) come with the `examples` extra.
+	$(BIN)/pip install -q -c constraints-dev.txt -e '.[dev,examples]'
 	touch $(STAMP)
 
 install: $(STAMP)
 
+# JupyterLab on copies of the example notebooks (~/mpilab-notebooks, or DIR=...), so
+# running them never changes the checkout
 lab: install
-	$(BIN)/mpilab lab
+	$(BIN)/mpilab lab $(if $(DIR),--dir $(DIR))
 
 test: install
 	$(BIN)/ruff check kernel_ext widgets tests benchmarks
@@ -35,6 +38,10 @@ bench: install
 	$(BIN)/python benchmarks/bench_overhead.py --reps 3 --phase-cells 12
 	$(BIN)/python benchmarks/bench_overhead.py -n 1 --threads 1 --reps 3 --phase-cells 6
 	$(BIN)/python benchmarks/bench_browser.py
+
+# the one prepared check for a GPU machine (skips every row without one)
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build
