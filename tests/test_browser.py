@@ -2,11 +2,14 @@
 
 A JupyterLab server is started on 127.0.0.1 with a token in a temporary root; chromium
 opens notebooks there and runs their cells with the keyboard, as a user would (jupyter_lab.py).
-Screenshots go to build/. Without /usr/bin/chromium the tests skip locally, never in CI.
+Screenshots go to build/, and so does what each check of a plot growing saw (NAME.json:
+the test's samples and the views' own logs of updates and drawings), for when it fails.
+Without /usr/bin/chromium the tests skip locally, never in CI.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -88,20 +91,66 @@ def wait_for_plot(page, index: int, timeout_s: float = 60) -> None:
         timeout=timeout_s * 1000)
 
 
-def watch_growth(page, index: int, while_, timeout_s: float = 60) -> list[int]:
-    """Total points in the cell's first plot, sampled until `while_()` turns false."""
+def watch_growth(page, index: int, while_, timeout_s: float = 60,
+                 samples: list | None = None) -> list[int]:
+    """Total points in the first plot seen in the cell's output, sampled until `while_()`
+    turns false. Only that plot counts: the live view the user watches, not one that a
+    later update of the output puts in its place (a cell's final plot). Each sample
+    (epoch ms, total or None, while_'s answer) goes to `samples`."""
     seen = []
+    samples = [] if samples is None else samples
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not while_():
+        going = while_()
+        total = watched_total(page, index)
+        samples.append((round(time.time() * 1000), total, going))
+        if not going:
             break
-        lengths = trace_lengths(page, index)
-        if lengths:
-            total = sum(lengths[0])
-            if not seen or total != seen[-1]:
-                seen.append(total)
+        if total is not None and (not seen or total != seen[-1]):
+            seen.append(total)
         page.wait_for_timeout(200)
     return seen
+
+
+def watched_total(page, index: int) -> int | None:
+    """Points in the first plot seen in a cell's output (None before there is one). The
+    page keeps a hold on every plot seen there (`window.mpilabWatched`), for plot_logs."""
+    return page.evaluate(
+        """i => {
+             const plots = [...document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                              .querySelectorAll('.js-plotly-plot')];
+             const watched = (window.mpilabWatched = window.mpilabWatched || {});
+             const seen = (watched[i] = watched[i] || new Set());
+             plots.forEach(p => seen.add(p));
+             const first = seen.values().next().value;
+             return first && first._fullData
+               ? first._fullData.reduce((n, t) => n + (t.x ? t.x.length : 0), 0) : null;
+           }""", index)
+
+
+def plot_logs(page, index: int) -> list[list[dict]]:
+    """What each live plot in a cell's output did and when (`mpilabLog`, live_plot.py):
+    those watch_growth saw, then those there now."""
+    return page.evaluate(
+        """i => {
+             const plots = new Set((window.mpilabWatched || {})[i] || []);
+             document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+               .querySelectorAll('.js-plotly-plot').forEach(p => plots.add(p));
+             return [...plots].map(p => p.mpilabLog || null);
+           }""", index)
+
+
+def keep_evidence(page, name: str, index: int, **timing) -> str:
+    """The plot's own log and the test's timing, in build/NAME.json: what a failure of a
+    timing-sensitive assertion needs to be understood. Returns a short summary."""
+    logs = plot_logs(page, index)
+    record = {"cell": index, **timing, "plot_logs": logs}
+    (BUILD / f"{name}.json").write_text(json.dumps(record, indent=1))
+    draws = [e for log in logs if log for e in log if e["kind"] in ("draw", "restyle")]
+    start = timing.get("cell_started_ms", 0)
+    return (f"drawings at (ms after the cell started, ms taken, points): "
+            f"{[(e['at'] - start, e['ms'], e['points']) for e in draws][:40]}; "
+            f"details in {BUILD / name}.json")
 
 
 def screenshot(page, name: str, index: int, output: int = 0, plot: int | None = None) -> Path:
@@ -124,7 +173,7 @@ def screenshot(page, name: str, index: int, output: int = 0, plot: int | None = 
 
 # -- the widget alone, fed from a synthetic store -------------------------------------------
 SYNTHETIC_SETUP = """\
-import threading, time
+import os, threading, time
 from mpilab.channel import MetricsStore
 from mpilab.widgets import Dashboard
 
@@ -141,12 +190,16 @@ def add_step(step):
                    "values": {"loss": 2.0 / (1 + step / 20) + 0.01 * r}})
 
 fed = []  # the steps feed() added
-def feed(dash, steps, stop=None):
+def feed(dash, steps, stop=None, start=None):
     # like a --noblock cell: the kernel is idle while a thread adds `steps` and redraws
-    # after each, until `stop` is set
+    # after each, until `stop` is set. It starts once the browser shows the plot: once
+    # the file `start` exists (the test saw the plot drawn), or without one once a view
+    # is attached (it draws when plotly.js has loaded: seconds later in a slow browser)
+    shown = ((lambda: os.path.exists(start)) if start
+             else (lambda: dash.widget._view_count >= 1))
     deadline = time.monotonic() + 60
-    while dash.widget._view_count < 1 and time.monotonic() < deadline:
-        time.sleep(0.05)  # start once the browser shows the plot
+    while not shown() and time.monotonic() < deadline:
+        time.sleep(0.05)
     for step in steps:
         if stop is not None and stop.is_set():
             break
@@ -158,9 +211,11 @@ def feed(dash, steps, stop=None):
 """
 
 FED_STEPS = 120
+FEED_START = "feed.start"  # in the lab's root: the test saw the plot drawn
 NOBLOCK_CELL = f"""\
 dash = Dashboard(store, world_size=2)
-feeder = threading.Thread(target=feed, args=(dash, range({FED_STEPS})))
+feeder = threading.Thread(target=feed, args=(dash, range({FED_STEPS})),
+                          kwargs={{"start": {FEED_START!r}}})
 feeder.start()
 display(dash.mimebundle(), raw=True)
 """
@@ -205,11 +260,19 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     run_cell(page, 0)
     wait_cell_done(page, 0)
 
-    # the kernel is idle while a thread feeds the widget (a --noblock cell)
+    # the kernel is idle while a thread feeds the widget (a --noblock cell), from when
+    # the plot is drawn
+    started = round(time.time() * 1000)
     run_cell(page, 1)
     wait_for_plot(page, 1)
-    seen = watch_growth(page, 1, while_=lambda: not seen_final(page, 1, FED_STEPS))
-    assert len(seen) >= 2, f"the plot did not grow while fed: {seen}"
+    plot_seen = round(time.time() * 1000)
+    (lab.root / FEED_START).touch()
+    samples: list = []
+    seen = watch_growth(page, 1, while_=lambda: not seen_final(page, 1, FED_STEPS),
+                        samples=samples)
+    evidence = keep_evidence(page, "widget_dashboard_fed", 1, cell_started_ms=started,
+                             plot_seen_ms=plot_seen, samples=samples)
+    assert len(seen) >= 2, f"the plot did not grow while fed: {seen}; {evidence}"
     assert seen == sorted(seen)
     wait_cell_done(page, 1)
     lengths = trace_lengths(page, 1)[0]
@@ -221,11 +284,16 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     screenshot(page, "widget_dashboard", 1)
 
     # a blocking cell that refreshes on the main thread, as the runner does
+    started = round(time.time() * 1000)
     run_cell(page, 2)
     wait_for_plot(page, 2)
-    seen = watch_growth(page, 2, while_=lambda: is_running(page, 2))
+    plot_seen = round(time.time() * 1000)
+    samples: list = []
+    seen = watch_growth(page, 2, while_=lambda: is_running(page, 2), samples=samples)
+    evidence = keep_evidence(page, "widget_dashboard_blocking", 2, cell_started_ms=started,
+                             plot_seen_ms=plot_seen, samples=samples)
     assert len(seen) >= 2 and seen == sorted(seen), \
-        f"the plot did not grow while the cell was running: {seen}"
+        f"the plot did not grow while the cell was running: {seen}; {evidence}"
     wait_cell_done(page, 2)
     assert trace_lengths(page, 2)[0][0] == 70 - 1
     ticks = page.evaluate("""() => document.querySelectorAll('.jp-Notebook .jp-Cell')[2]
@@ -253,8 +321,10 @@ def test_dashboard_widget_renders_and_grows(page, lab):
 
 
 def seen_final(page, index: int, steps: int) -> bool:
+    """The cell's first plot draws all `steps`: its throughput (trace 0) has every step but
+    the warm-up one."""
     lengths = trace_lengths(page, index)
-    return bool(lengths) and lengths[0][0] >= steps
+    return bool(lengths) and lengths[0][0] >= steps - 1
 
 
 # a thread feeds the plot until told to stop
@@ -364,12 +434,18 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
     wait_cell_done(page, 0, timeout_s=120)
     assert "2 ranks" in cell(page, 0).locator(".jp-OutputArea").inner_text()
 
+    started = round(time.time() * 1000)
     run_cell(page, 1)
     wait_for_plot(page, 1, timeout_s=60)
+    plot_seen = round(time.time() * 1000)
     assert is_running(page, 1), "the dashboard must appear while the cell runs"
-    seen = watch_growth(page, 1, while_=lambda: is_running(page, 1), timeout_s=120)
+    samples: list = []
+    seen = watch_growth(page, 1, while_=lambda: is_running(page, 1), timeout_s=120,
+                        samples=samples)
+    evidence = keep_evidence(page, "cluster_dashboard", 1, cell_started_ms=started,
+                             plot_seen_ms=plot_seen, samples=samples)
     assert len(seen) >= 2 and seen == sorted(seen), \
-        f"the dashboard did not grow while the cell was running: {seen}"
+        f"the dashboard did not grow while the cell was running: {seen}; {evidence}"
     wait_cell_done(page, 1)
     assert "trained 60 steps" in cell(page, 1).locator(".jp-OutputArea").inner_text()
     lengths = trace_lengths(page, 1)[0]

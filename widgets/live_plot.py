@@ -2,9 +2,12 @@
 
 plotly's FigureWidget sends four comm messages per update and keeps a validated copy of
 the figure in Python; the dashboard redraws 4 times a second on cores the ranks train
-on. This widget draws with the same plotly.js (shipped once per widget, as FigureWidget
-does) and takes a redraw's arrays as binary buffers in one state update: about a quarter
-of FigureWidget's kernel time per update (benchmarks/bench_redraw.py).
+on. This widget draws with the same plotly.js and takes a redraw's arrays as binary
+buffers in one state update: about a quarter of FigureWidget's kernel time per update
+(benchmarks/bench_redraw.py). plotly.js travels with each widget, as FigureWidget's does,
+but runs once per page: running it again took a second widget 2.5 s of the browser's main
+thread on the 2-core test machine (against 0.3 s to skip it), and a browser four times
+slower showed a new dashboard only 4.5-5.6 s into a 7-s cell.
 
 A redraw sends only what changed: each trace's data is the `series` sent last in full
 (the base) up to a point, then a `tail`. A downsampled trace changes only in its newest
@@ -16,26 +19,48 @@ The browser pays for a redraw too, and more than the kernel: plotly lays out and
 the whole figure again (benchmarks/bench_browser.py measures what that costs). Each view
 times its redraws and waits REDRAW_BUDGET times as long before the next, drawing the
 latest data then: drawing takes at most about a tenth of the browser's main thread, as
-in the kernel, whatever the browser. A fast browser still draws every update; a slow
-one, fewer. A view out of sight draws nothing until it is back: a long run in a
-collapsed output or a background tab costs the browser no drawing.
+in the kernel. A fast browser still draws every update; a slower one, fewer. But a live
+view must move: it never stays still for more than MAX_STILL_S while there is new data,
+unless a redraw itself takes longer, and then it waits as long as that redraw took. So
+a slow browser (redraws over 0.11 s) spends up to half its main thread drawing and
+still shows the run about once a second, where waiting ten times as long had left a plot
+still for 3.7 s after a 0.37-s redraw, past the end of the cell it watched. A view out of
+sight draws nothing until it is back: a long run in a collapsed output or a background
+tab costs the browser no drawing.
 """
 
 from __future__ import annotations
+
+import json
 
 import anywidget
 import numpy as np
 import plotly.graph_objects as go
 import traitlets
-from plotly.offline import get_plotlyjs
+from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
 # a redraw (kernel or browser) is followed by at least this many times its own duration
 # without one: drawing takes at most 1/REDRAW_BUDGET of a core
 REDRAW_BUDGET = 10
+# ... but a view with new data to draw waits at most this long after a redraw ends, or as
+# long as that redraw took if more (at most half the browser's main thread then)
+MAX_STILL_S = 1.0
+# each view keeps a log of its last this many updates and drawings (`mpilabLog` on the
+# plot's element)
+LOG_SIZE = 400
 
-# Runs after plotly.js (which sets globalThis.Plotly). Each view draws the figure with
-# the latest series once it is attached, then restyles at its own pace; drawings are
-# queued so a restyle never races a redraw.
+# plotly.js runs once per page, the first time a LivePlot's module loads; the next
+# modules find its Plotly under this name (with the version: a page may hold widgets of
+# two mpilab installs)
+_PLOTLY_KEY = f"mpilab plotly.js {get_plotlyjs_version()}"
+_PLOTLY_ONCE = (f"if (!globalThis[{json.dumps(_PLOTLY_KEY)}]) {{\n"
+                f"(function () {{\n{get_plotlyjs()}\n}}).call(globalThis);\n"
+                f"globalThis[{json.dumps(_PLOTLY_KEY)}] = globalThis.Plotly;\n}}\n"
+                f"const PLOTLY = globalThis[{json.dumps(_PLOTLY_KEY)}];\n")
+
+# Runs after _PLOTLY_ONCE. Each view draws the figure with the latest series once it is
+# attached, then restyles at its own pace; drawings are queued so a restyle never races
+# a redraw.
 _RENDER_JS = r"""
 const CONFIG = { displaylogo: false, responsive: true };
 const float64 = (v) => new Float64Array(v.buffer.slice(v.byteOffset, v.byteOffset + v.byteLength));
@@ -49,10 +74,21 @@ const spliced = (base, keep, tail) => {
 };
 
 function render({ model, el }) {
-  const Plotly = globalThis.Plotly;
+  const Plotly = PLOTLY;
   const div = document.createElement("div");
   div.style.width = "100%";
   el.appendChild(div);
+  // what this view did, when (epoch ms) and for how long: the last LOG_SIZE entries, for
+  // the tests and for anyone asking in the browser's console why a plot looks behind
+  const log = (div.mpilabLog = []);
+  const note = (kind, start, points) => {
+    const now = performance.now();
+    log.push({ kind, at: Math.round(performance.timeOrigin + start),
+               ms: Math.round(now - start), points });
+    if (log.length > LOG_SIZE) log.splice(0, log.length - LOG_SIZE);
+  };
+  const count = (data) => (data ? data.x.reduce((n, v) => n + v.length, 0) : 0);
+  note("render", performance.now(), 0);
   let queue = Promise.resolve();
   const later = (step) => {
     queue = queue.then(step).catch((e) => console.error("mpilab live plot:", e));
@@ -72,7 +108,8 @@ function render({ model, el }) {
   };
   const restyle = () => {
     const data = current();
-    if (data) return Plotly.restyle(div, { x: data.x, y: data.y }, data.traces);
+    if (!data) return 0;
+    return Plotly.restyle(div, { x: data.x, y: data.y }, data.traces).then(() => count(data));
   };
   // the figure with its data in one drawing (plotly lays out and paints it all each time)
   const draw = () => {
@@ -82,7 +119,11 @@ function render({ model, el }) {
     (data ? data.traces : []).forEach((j, i) => {
       if (traces[j]) Object.assign(traces[j], { x: data.x[i], y: data.y[i] });
     });
-    return Plotly.react(div, traces, f.layout || {}, CONFIG).then(() => { drawn = true; });
+    const start = performance.now();
+    return Plotly.react(div, traces, f.layout || {}, CONFIG).then(() => {
+      drawn = true;
+      note("draw", start, count(data));
+    });
   };
   // the first drawing waits until the view has its width (JupyterLab makes it before
   // attaching it), so that it is the only one; restyles and new figures wait for it
@@ -96,7 +137,8 @@ function render({ model, el }) {
     if (drawn) later(() => (visible() ? draw() : (missed = "figure")));
   };
   // A restyle is timed to the frame that paints it; the next one starts no sooner than
-  // REDRAW_BUDGET times that after it, and draws the latest series and tail then.
+  // REDRAW_BUDGET times that after it, and no later than MAX_STILL_MS after it ended
+  // (or as long as it took, if more), and draws the latest series and tail then.
   let pending = false, readyAt = 0, closed = false;
   const pause = (ms) => new Promise((done) => setTimeout(done, ms));
   const painted = () => new Promise((done) => {
@@ -106,18 +148,25 @@ function render({ model, el }) {
   const pacedRestyle = async () => {
     await pause(readyAt - performance.now());
     pending = false;  // an update from now on needs a restyle of its own
-    if (closed || !drawn) return;
+    if (closed || !drawn) {
+      note(closed ? "skip: closed" : "skip: not drawn yet", performance.now(), 0);
+      return;
+    }
     if (!visible()) {
+      note("skip: out of sight", performance.now(), 0);
       missed = missed || "data";
       return;
     }
     const start = performance.now();
-    await restyle();
+    const points = await restyle();
     await painted();
-    readyAt = start + REDRAW_BUDGET * (performance.now() - start);
+    note("restyle", start, points);
+    const end = performance.now(), took = end - start;
+    readyAt = end + Math.max(took, Math.min((REDRAW_BUDGET - 1) * took, MAX_STILL_MS));
   };
   // a new base comes with an empty tail: one restyle for both changes
   const onSeries = () => {
+    note(pending ? "update (batched)" : "update", performance.now(), 0);
     if (!pending) {
       pending = true;
       later(pacedRestyle);
@@ -132,6 +181,7 @@ function render({ model, el }) {
   };
   const sight = new IntersectionObserver((entries) => {
     inSight = entries[entries.length - 1].isIntersecting;
+    note(inSight ? "in sight" : "out of sight", performance.now(), 0);
     onSight();
   });
   sight.observe(el);
@@ -141,6 +191,7 @@ function render({ model, el }) {
   model.on("change:tail", onSeries);
   const resized = new ResizeObserver(() => {
     if (!div.offsetWidth) return;
+    note("sized", performance.now(), 0);
     if (sized) {
       later(() => Plotly.Plots.resize(div));
     } else {
@@ -174,7 +225,9 @@ class LivePlot(anywidget.AnyWidget):
     """`figure` is plotly JSON (layout and trace styles), sent when traces are added;
     `series` (the base) and `tail` carry the traces' data."""
 
-    _esm = f"{get_plotlyjs()};\nconst REDRAW_BUDGET = {REDRAW_BUDGET};\n{_RENDER_JS}"
+    _esm = (f"{_PLOTLY_ONCE}const REDRAW_BUDGET = {REDRAW_BUDGET};\n"
+            f"const MAX_STILL_MS = {MAX_STILL_S * 1000:g};\n"
+            f"const LOG_SIZE = {LOG_SIZE};\n{_RENDER_JS}")
     figure = traitlets.Dict().tag(sync=True)
     series = traitlets.Dict().tag(sync=True)
     tail = traitlets.Dict().tag(sync=True)
