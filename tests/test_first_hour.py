@@ -3,11 +3,30 @@ examples `mpilab lab` sets up, exports that work offline, the package's dependen
 
 from __future__ import annotations
 
+import ast
+import http.client
+import importlib
+import importlib.metadata
+import json
+import os
 import re
+import secrets
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
 
 import pytest
+from jupyter_client.manager import start_new_kernel
+from jupyter_lab import free_port
 from mpilab.magics import SUBCOMMANDS
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
+ROOT = Path(__file__).resolve().parent.parent
+MPILAB = str(Path(sys.executable).parent / "mpilab")
 # every option of every subcommand, as `%mpilab?` must list them
 OPTIONS = {
     "start": ["-n", "--gpus", "--backend", "--launcher", "--hostfile", "--controller-ip",
@@ -79,3 +98,161 @@ def test_ranks_help_names_the_cell_magic_and_describes_every_option(fresh_kernel
     # -h prints the same help instead of running the cell (no ranks are needed for it)
     run = fresh_kernel.run("%%ranks -h\nprint('the cell ran')")
     assert run.ok and run.stdout.startswith("%%ranks [") and "the cell ran" not in run.stdout
+
+
+# -- the package's dependencies -------------------------------------------------------------
+# declared, needed at run time, never imported by mpilab's code
+RUN_TIME_ONLY = {
+    "ipykernel": "the notebook's kernel and every engine run on it",
+    "jupyterlab": "`mpilab lab` runs it",
+    "mpich": "brings mpiexec and the MPI library mpi4py loads",
+}
+# the private names mpilab relies on, where they are looked up; each package that has
+# some needs an upper bound in pyproject.toml, no further than the release after the
+# tested one (the next minor release for torch, the next major one for IPython)
+PRIVATE = {
+    "torch": [("torch.distributed.distributed_c10d", "_world.pg_map"),
+              ("torch.distributed.distributed_c10d", "_get_default_group"),
+              ("torch.distributed.distributed_c10d", "_update_default_pg"),
+              ("torch.distributed.distributed_c10d", "_abort_process_group")],
+    "ipython": [("IPython.core.interactiveshell", "InteractiveShell._showtraceback"),
+                ("IPython.core.interactiveshell", "InteractiveShell._get_exc_info"),
+                ("IPython.core.compilerop", "CachingCompiler()._filename_map")],
+}
+# how the code reaches them: every private name these patterns find must be in PRIVATE
+PRIVATE_USES = {"torch": r"c10d\._(\w+)", "ipython": r"(?:shell|compile)\._(\w+)"}
+
+
+def _declared() -> dict[str, Requirement]:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(r) for r in project["dependencies"]]
+    return {canonicalize_name(r.name): r for r in requirements}
+
+
+def _imported_distributions() -> set[str]:
+    modules = set()
+    for path in [*(ROOT / "kernel_ext").rglob("*.py"), *(ROOT / "widgets").rglob("*.py")]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    owners = importlib.metadata.packages_distributions()
+    third_party = modules - set(sys.stdlib_module_names) - {"mpilab"}
+    missing = sorted(m for m in third_party if m not in owners)
+    assert not missing, f"imported but installed by no distribution: {missing}"
+    return {canonicalize_name(owners[m][0]) for m in third_party}
+
+
+def test_every_import_is_declared_and_every_dependency_used():
+    declared, imported = _declared(), _imported_distributions()
+    assert not imported - set(declared), f"imported, not declared: {imported - set(declared)}"
+    unused = set(declared) - imported - set(RUN_TIME_ONLY)
+    assert not unused, f"declared, never imported nor needed at run time: {unused}"
+    assert "scikit-learn" not in declared  # the examples' extra
+
+
+@pytest.mark.parametrize("package", sorted(PRIVATE))
+def test_private_apis_exist_and_the_upper_bound_covers_only_tested_releases(package):
+    requirement = _declared()[package]
+    installed = Version(importlib.metadata.version(package))
+    assert installed in requirement.specifier, (requirement, installed)
+    uppers = [Version(s.version) for s in requirement.specifier if s.operator == "<"]
+    assert uppers, f"{requirement}: private APIs need an upper bound"
+    release = installed.release
+    next_release = (Version(f"{release[0]}.{release[1] + 1}") if package == "torch"
+                    else Version(f"{release[0] + 1}"))
+    assert min(uppers) <= next_release, (requirement, installed)
+    for module, name in PRIVATE[package]:
+        owner, _, attributes = name.partition(".")
+        value = importlib.import_module(module)
+        value = getattr(value, owner.removesuffix("()"))
+        if owner.endswith("()"):
+            value = value()
+        for attribute in attributes.split(".") if attributes else []:
+            value = getattr(value, attribute)
+    known = {part.removesuffix("()") for _, name in PRIVATE[package]
+             for part in name.split(".") if part.startswith("_")}
+    code = "\n".join(p.read_text() for p in (ROOT / "kernel_ext").rglob("*.py"))
+    used = {f"_{m}" for m in re.findall(PRIVATE_USES[package], code)}
+    assert used <= known, f"private {package} names used but not checked here: {used - known}"
+
+
+# -- mpilab lab and its kernel -------------------------------------------------------------
+def test_lab_opens_copies_of_the_examples_in_the_mpilab_kernel(tmp_path):
+    """`mpilab lab --dir D`: the examples copied into D/examples (a changed copy kept),
+    JupyterLab rooted at D opening the quickstart, the "Python (mpilab)" kernelspec
+    installed, the user's IPYTHONDIR left alone; that kernel loads the extension."""
+    work = tmp_path / "work"
+    (work / "examples").mkdir(parents=True)
+    mine = work / "examples" / "01_quickstart.ipynb"
+    mine.write_text("{}")  # the user's changed copy: never overwritten
+    port, token = free_port(), secrets.token_hex(8)
+    env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(tmp_path / "workspaces")}
+    env.pop("IPYTHONDIR", None)
+    log = (tmp_path / "lab.log").open("wb")
+    proc = subprocess.Popen(
+        [MPILAB, "lab", "--dir", str(work), "--no-browser", "--ServerApp.ip=127.0.0.1",
+         f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+         f"--IdentityProvider.token={token}", "--LabApp.news_url=None",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        api = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"{api}/api/status?token={token}", timeout=2):
+                    break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    (tmp_path / "lab.log").read_text()
+                time.sleep(0.3)
+
+        def get(path: str):
+            request = urllib.request.Request(f"{api}{path}",
+                                             headers={"Authorization": f"token {token}"})
+            with urllib.request.urlopen(request) as response:
+                return json.load(response)
+
+        listed = sorted(item["name"] for item in get("/api/contents/examples")["content"])
+        shipped = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
+        assert listed == shipped
+        assert mine.read_text() == "{}"
+        spec = get("/api/kernelspecs")["kernelspecs"]["mpilab"]["spec"]
+        assert spec["display_name"] == "Python (mpilab)" and "--ext=mpilab" in spec["argv"]
+        server_env = (Path("/proc") / str(proc.pid) / "environ").read_bytes().split(b"\0")
+        assert not any(v.startswith(b"IPYTHONDIR=") for v in server_env)
+        # the server's front page sends the browser to the quickstart
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        connection.request("GET", "/", headers={"Authorization": f"token {token}"})
+        response = connection.getresponse()
+        assert response.status in (301, 302)
+        location = response.getheader("Location").rstrip("?")
+        assert location.endswith("/lab/tree/examples/01_quickstart.ipynb"), location
+        connection.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        log.close()
+    km, kc = start_new_kernel(kernel_name="mpilab")
+    try:
+        msg_id = kc.execute("print('mpilab' in get_ipython().extension_manager.loaded)\n"
+                            "from IPython.paths import get_ipython_dir\nprint(get_ipython_dir())")
+        out = ""
+        while True:
+            msg = kc.get_iopub_msg(timeout=30)
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                out += msg["content"]["text"]
+            if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    loaded, ipython_dir = out.split()
+    assert loaded == "True"
+    assert ".mpilab" not in ipython_dir
