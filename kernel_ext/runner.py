@@ -230,7 +230,10 @@ class CellRunner:
         ranks = parse_ranks(options.spec, self.cluster.world_size)
         engines = self.cluster.engines(ranks)
         try:
-            ar = self.cluster.client[engines].execute(code, silent=False, block=False)
+            # the notebook's In[n] travels with the cell, so that the ranks' tracebacks
+            # say "Cell In[n]" with the number the notebook shows (mpilab.rank.engine)
+            ar = self.cluster.client[engines].execute(code, silent=False, block=False,
+                                                      label=cell_label())
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
             raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
                                "brings back a full cluster") from None
@@ -454,6 +457,21 @@ class CellRunner:
         for thread in self.background:
             thread.join(timeout)
         self.background = [t for t in self.background if t.is_alive()]
+
+
+CELL_LABEL = "mpilab:In[{}]"  # the execute request's label: the notebook's count
+
+
+def cell_label() -> str | None:
+    """The label that names the notebook's running cell (None outside IPython)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    count = getattr(shell, "execution_count", None)
+    # IPython counts the running cell before it runs it: In[n] runs with the count at n+1
+    return CELL_LABEL.format(count - 1) if isinstance(count, int) and count > 1 else None
 
 
 def _engines_died(singles: dict) -> bool:
