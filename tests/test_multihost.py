@@ -297,7 +297,7 @@ def test_ssh_refused_is_ssh_s_line(ssh_kernel, emulated_cluster, hostfile, tmp_p
         f"import os\n_path = os.environ['PATH']\nos.environ['PATH'] = '{wrapper.parent}:' + _path\n"
         f"try:\n    get_ipython().run_line_magic('mpilab', 'start -n 4 --hostfile {hostfile}')\n"
         "finally:\n    os.environ['PATH'] = _path", timeout=200)
-    assert not run.ok
+    assert "UsageError: " in run.text, run.text
     assert "Permission denied (publickey" in run.text, run.text
     assert "Traceback" not in run.text.split("UsageError")[-1]
     assert not wait_nothing_left(emulated_cluster, 10)
@@ -346,6 +346,22 @@ def test_slurm_bad_partition_is_sbatch_s_line(slurm_kernel, emulated_cluster):
     run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --partition nosuch", timeout=120)
     assert not run.ok
     assert "nosuch" in run.text and "Traceback" not in run.text, run.text
+    assert emulated_cluster.squeue() == []
+
+
+def test_slurm_controller_down_is_one_line(slurm_kernel, emulated_cluster, tmp_path):
+    """slurmctld not answering (its port closed, as when it is down): Slurm's own words."""
+    conf = emulated_cluster.slurm_conf.read_text().splitlines()
+    dead = tmp_path / "slurm.conf"
+    dead.write_text("\n".join("SlurmctldPort=1" if line.startswith("SlurmctldPort=") else line
+                              for line in conf) + "\n")
+    run = slurm_kernel.run(
+        f"import os\n_conf = os.environ['SLURM_CONF']\nos.environ['SLURM_CONF'] = '{dead}'\n"
+        "try:\n    get_ipython().run_line_magic('mpilab', 'start -n 2 --launcher slurm')\n"
+        "finally:\n    os.environ['SLURM_CONF'] = _conf", timeout=120)
+    assert "UsageError: " in run.text, run.text
+    error = run.text.split("UsageError: ")[-1].strip()
+    assert "Unable to contact slurm controller" in error and len(error.splitlines()) == 1, error
     assert emulated_cluster.squeue() == []
 
 
