@@ -293,13 +293,15 @@ beats = []
 def sample(stop):
     while not stop.is_set():
         hb = agent.current().heartbeat()
-        if hb["phase"] == "collective":
+        if hb["phase"] == "collective" and hb["op"] in ("dp_allreduce", "ddp_allreduce"):
             beats.append([hb["op"], hb["seq"], hb["where"]])
         time.sleep(0.001)
 
-def step():
+def step(delay=0.0):
     opt.zero_grad()
-    dp(x).pow(2).mean().backward()
+    loss = dp(x).pow(2).mean()
+    time.sleep(delay)  # a slower peer: rank 0 waits for it at the end of backward
+    loss.backward()
     opt.step()
 
 threads = set()
@@ -315,7 +317,7 @@ stop = threading.Event()
 sampler = threading.Thread(target=sample, args=(stop,))
 sampler.start()
 for _ in range(3):
-    step()
+    step(0.05 if ctx.rank == 1 else 0.0)
 stop.set(); sampler.join()
 seq_per_step = (agent.current().state.seq - seq0) / 3
 

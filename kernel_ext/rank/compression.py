@@ -298,8 +298,7 @@ class CompressedGradSync:
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
 
     def _finish(self) -> None:
-        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
-            self._finish_step()
+        waiting.run_for_main(self._finish_step)  # autograd's device thread, for a GPU model
 
     def _finish_step(self) -> None:
         self.pending = False
@@ -359,8 +358,7 @@ class _TopKDDP:
         self.compressors: dict[int, TopKCompressor] = {}
 
     def __call__(self, state, bucket):
-        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
-            return self._reduce(bucket)
+        return waiting.run_for_main(self._reduce, bucket)  # autograd's thread, on a GPU
 
     def _reduce(self, bucket) -> torch.futures.Future:
         buffer = bucket.buffer()

@@ -296,10 +296,8 @@ class _MPIGradSync:
         self.pending = False
 
     def _on_grad(self, p: nn.Parameter) -> None:
-        if not self.enabled:
-            return
-        with waiting.for_main_thread():  # autograd's device thread, for a GPU model
-            self._grad_ready(p)
+        if self.enabled:  # on autograd's device thread, for a GPU model
+            waiting.run_for_main(self._grad_ready, p)
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         if not self.pending:
@@ -342,8 +340,7 @@ class _MPIGradSync:
     def _finish(self) -> None:
         """End of backward (on whichever thread autograd ends it): reduce what no hook
         reported (unused parameters), then wait."""
-        with waiting.for_main_thread():
-            self._finish_step()
+        waiting.run_for_main(self._finish_step)
 
     def _finish_step(self) -> None:
         self.pending = False
@@ -459,9 +456,9 @@ class _TimedHook:
         self.timers: list[_BucketTimer] = []
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations against its own
-        """The comm hook DDP calls for every bucket (on autograd's thread)."""
-        with waiting.for_main_thread():  # mpilab's top-k hook waits in collectives
-            return self._launch(state, bucket)
+        """The comm hook DDP calls for every bucket (on autograd's thread; mpilab's top-k
+        hook waits in collectives there)."""
+        return waiting.run_for_main(self._launch, state, bucket)
 
     def _launch(self, state, bucket) -> torch.futures.Future:
         if not self.pending:

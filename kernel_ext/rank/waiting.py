@@ -35,7 +35,8 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from . import agent as agent_mod
 
@@ -132,14 +133,26 @@ def for_main_thread() -> Iterator[None]:
         _local.for_main = outer
 
 
+def run_for_main(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) inside for_main_thread(); on the main thread, a plain call (gradient
+    hooks run once per parameter and step: no context manager there)."""
+    if threading.current_thread() is threading.main_thread():
+        return fn(*args)
+    outer = getattr(_local, "for_main", False)
+    _local.for_main = True
+    try:
+        return fn(*args)
+    finally:
+        _local.for_main = outer
+
+
 def acting_for_main() -> bool:
     """Is this thread the main one, or inside for_main_thread()?"""
     return (threading.current_thread() is threading.main_thread()
             or getattr(_local, "for_main", False))
 
 
-@contextmanager
-def collective(op: str, nbytes: int = 0, shape: str = "") -> Iterator[int]:
+def collective(op: str, nbytes: int = 0, shape: str = "") -> AbstractContextManager[int]:
     """The agent's ``collective`` (heartbeats carry it, a span records it), numbered on
     the main thread and inside for_main_thread() on any other.
 
@@ -148,9 +161,14 @@ def collective(op: str, nbytes: int = 0, shape: str = "") -> Iterator[int]:
     """
     agent = agent_mod.current()
     if not getattr(_local, "for_main", False):
-        with agent.collective(op, nbytes, shape) as seq:
-            yield seq
-        return
+        return agent.collective(op, nbytes, shape)
+    return _numbered_for_main(agent, op, nbytes, shape)
+
+
+@contextmanager
+def _numbered_for_main(agent: agent_mod.Agent, op: str, nbytes: int,
+                       shape: str) -> Iterator[int]:
+    """What the agent does for a collective of the main thread, on this one."""
     st = agent.state
     start = time.time()
     previous = st.phase
