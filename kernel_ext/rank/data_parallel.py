@@ -417,6 +417,7 @@ class _BucketTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.stopped = False
         if self.cuda:
             self.begin = torch.cuda.Event(enable_timing=True)
             self.end = torch.cuda.Event(enable_timing=True)
@@ -432,10 +433,15 @@ class _BucketTimer:
             self.end.record()
         else:
             self.end_s = time.perf_counter()
+        self.stopped = True
 
     def seconds(self) -> float:
-        """After the step's device work has run (the end-of-backward wait)."""
+        """After the step's end-of-backward wait. The end event sits on the stream of the
+        future's callback, which the wait did not cover: polled (it is due by now)."""
+        if not self.stopped:
+            return 0.0
         if self.cuda:
+            waiting.poll(self.end.query)
             return self.begin.elapsed_time(self.end) / 1000.0
         return self.end_s - self.begin_s
 
@@ -451,7 +457,6 @@ class _TimedHook:
         self.clock = clock
         self.device = device
         self.pending = False
-        self.exposed_s = 0.0
         self.futures: list[torch.futures.Future] = []
         self.timers: list[_BucketTimer] = []
 
@@ -484,6 +489,8 @@ class _TimedHook:
         result and, on a GPU, for the device work that produces it; then let DDP finish
         and close the step after it."""
         futures, self.futures = self.futures, []
+        timers, self.timers = self.timers, []
+        self.pending = False  # every bucket of this step has been launched
         start = time.perf_counter()
         with waiting.for_main_thread(), \
                 waiting.collective("ddp_allreduce", self.clock.nbytes):
@@ -494,17 +501,15 @@ class _TimedHook:
                 collectives.wait_device(self.device)
             except BaseException:
                 collectives.abandoned_torch_work()
-                self.pending = False
-                self.timers.clear()
                 raise
-        self.exposed_s = time.perf_counter() - start
-        torch.autograd.Variable._execution_engine.queue_callback(self._synced)
+        exposed = time.perf_counter() - start
+        torch.autograd.Variable._execution_engine.queue_callback(
+            lambda: self._synced(timers, exposed))
 
-    def _synced(self) -> None:
-        self.pending = False
-        self.clock.comm_s += sum(timer.seconds() for timer in self.timers)
-        self.timers.clear()
-        self.clock.synced(self.exposed_s)
+    def _synced(self, timers: list[_BucketTimer], exposed_s: float) -> None:
+        """After DDP's finalize: the step is done."""
+        self.clock.comm_s += sum(timer.seconds() for timer in timers)
+        self.clock.synced(exposed_s)
 
 
 def _blocks_in_forward(ddp: nn.Module, device: torch.device) -> bool:
