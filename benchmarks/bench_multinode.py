@@ -113,8 +113,11 @@ def start_times(cluster, starts: int) -> None:
     engine = [sys.executable, "-m", "ipyparallel.engine"]
 
     def mpilab_start(launcher: str) -> float:
-        config = ClusterConfig(n=4, launcher=launcher, hostfile=hostfile if launcher == "mpi"
-                               else None, slurm=SlurmSettings(nodes="2", tasks_per_node=2))
+        if launcher == "mpi":
+            config = ClusterConfig(n=4, hostfile=hostfile)
+        else:
+            config = ClusterConfig(n=4, launcher="slurm",
+                                   slurm=SlurmSettings(nodes="2", tasks_per_node=2))
         ranks = RankCluster(config)
         began = time.perf_counter()
         ranks.start()

@@ -142,11 +142,27 @@ def _make_plan(comm) -> Plan:
     return Plan(shared, node, node_comm, leaders, nodes > 1)
 
 
-def _mpi_allreduce(array: np.ndarray, op: str, comm) -> None:
+def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False) -> None:
     from mpi4py import MPI
 
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-    wait_interruptibly(comm.Iallreduce(MPI.IN_PLACE, array, mpi_op))
+    request = comm.Iallreduce(MPI.IN_PLACE, array, mpi_op)
+    if between_nodes:
+        _drive(request)
+    else:
+        wait_interruptibly(request)
+
+
+def _drive(request) -> None:
+    """Wait for a request whose data crosses the network: MPI moves it only while it is
+    asked (each Test is a step of the transport's progress), so keep asking, yielding
+    the core between asks, as MPI's own blocking wait would, and stay interruptible.
+    A backoff that sleeps between asks leaves a megabyte in flight for tens of ms."""
+    from .waiting import check_abort
+
+    while not request.Test():
+        check_abort()
+        os.sched_yield()
 
 
 def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
@@ -176,6 +192,6 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
         if plan.node is not None:
             plan.node.allreduce(flat, op, to_root_only=True)
         if plan.leaders is not None:
-            _mpi_allreduce(flat, op, plan.leaders)
+            _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
         if plan.node is not None:
             plan.node.broadcast(flat, root=0)
