@@ -235,6 +235,32 @@ report({"env": {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
         assert got["sums"] == [2.0, 2.0]
 
 
+def test_group_destroyed_past_mpilab_is_made_again_over_its_store():
+    """A default group destroyed by torch's own function (not the one the ranks are
+    given): the next init_process_group makes the ranks' group again over mpilab's store,
+    and the address the script names opens no listener."""
+    results = run_ranks("""
+import inspect, os, psutil, torch
+import torch.distributed as dist
+inspect.unwrap(dist.destroy_process_group)()
+gone = not dist.is_initialized()
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29531", rank=ctx.rank,
+                        world_size=ctx.world_size)
+t = torch.ones(1)
+dist.all_reduce(t)
+x = torch.ones(1)
+mpilab.allreduce(x, backend="torch")
+ports = [c.laddr.port for c in psutil.Process().net_connections("inet")
+         if c.status == psutil.CONN_LISTEN]
+dist.destroy_process_group()
+report({"gone": gone, "sums": [t.item(), x.item()], "listens_29531": 29531 in ports,
+        "after_destroy": dist.is_initialized()})
+""")
+    for got in results:
+        assert got == {"gone": True, "sums": [2.0, 2.0], "listens_29531": False,
+                       "after_destroy": True}, got
+
+
 def test_another_backend_stands_in_and_destroy_brings_mpilabs_back():
     """The path a GPU cluster takes when a script asks gloo where mpilab chose NCCL: on
     this CPU machine the plan is told that gloo differs, so the stand-in group, its

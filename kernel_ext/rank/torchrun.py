@@ -270,11 +270,12 @@ class SharedGroups:
         world_size = -1 if world_size is None else int(world_size)
         if (rank < 0 or rank == ctx.rank) and (world_size < 0 or world_size == ctx.world_size):
             return
+        more = (f", or start {world_size} ranks with `%mpilab start -n {world_size}`"
+                if world_size > 0 and world_size != ctx.world_size else "")
         raise RanksMismatch(
             f"init_process_group(rank={rank}, world_size={world_size}) does not match these "
             f"ranks (this is rank {ctx.rank} of {ctx.world_size}): pass the ranks' own "
-            f"rank and world_size (or leave them to RANK and WORLD_SIZE), or start "
-            f"{world_size} ranks with `%mpilab start -n {world_size}`")
+            f"rank and world_size (or leave them to RANK and WORLD_SIZE){more}")
 
     def _stand_in(self, requested: str, current: str, call: dict) -> None:
         """The user's backend over all ranks, made over mpilab's store, as the default."""
@@ -305,8 +306,8 @@ class SharedGroups:
         ctx = self.ctx
         self.generation += 1
         store = dist.PrefixStore(f"mpilab-torchrun/{self.generation}/", ctx.store)
-        backend = requested if requested and plan(requested, "", self._device).why_not is None \
-            else ctx.backend
+        usable = requested and plan(requested, ctx.backend, self._device).why_not is None
+        backend = requested if usable else ctx.backend
         kwargs = {"timeout": timeout} if timeout is not None else {}
         self.real_init(backend, store=store, rank=ctx.rank, world_size=ctx.world_size,
                        **kwargs)
