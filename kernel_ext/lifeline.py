@@ -129,11 +129,11 @@ class Holder:
             ready = sel.select(timeout=wait)
         finally:
             sel.close()
-        if ready:
+        while ready:  # read what is there; an empty read is the notebook's end closing
             try:
                 data = self._sock.recv(4096)
             except BlockingIOError:
-                data = b"."
+                break
             except OSError:
                 data = b""
             if not data:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from mpilab.channel import CellWindow, MetricsStore
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
@@ -255,3 +257,90 @@ def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
     cluster.beat(0, 20.0, "running", "cell line 3: evaluate(model)")
     assert Watchdog(cluster, [0, 1], 3.0, cell).check(100.0, {1: "ok"}) is None
 
+
+
+# -- placement: Slurm settings, allocations, the launcher's telling line ---------------------
+def test_slurm_settings_make_the_batch_script():
+    from mpilab.placement import SlurmSettings, batch_script
+
+    settings = SlurmSettings(partition="gpu", time="1:00:00", account="proj", nodes="2",
+                             tasks_per_node=4, gpus_per_node="a100:4",
+                             sbatch_options=["--qos=high", "--constraint={fast}"])
+    script = batch_script(settings, "/opt/venv/bin/mpiexec")
+    for line in ("#SBATCH --partition=gpu", "#SBATCH --time=1:00:00", "#SBATCH --account=proj",
+                 "#SBATCH --nodes=2", "#SBATCH --tasks-per-node=4",
+                 "#SBATCH --gpus-per-node=a100:4", "#SBATCH --qos=high",
+                 "#SBATCH --constraint={{fast}}", "#SBATCH --ntasks={n}",
+                 "exec /opt/venv/bin/mpiexec -launcher slurm -launcher-exec srun -rmk slurm "
+                 "-n {n} {program_and_args}"):
+        assert line in script.splitlines(), (line, script)
+    assert settings.given() == ["--partition", "--time", "--account", "--nodes",
+                                "--tasks-per-node", "--gpus-per-node", "--sbatch-option"]
+
+
+def test_slurm_settings_need_the_slurm_launcher():
+    from mpilab.cluster import ClusterConfig, ClusterError
+    from mpilab.placement import SlurmSettings
+
+    with pytest.raises(ClusterError, match="--partition is a Slurm setting: add --launcher slurm"):
+        ClusterConfig(slurm=SlurmSettings(partition="gpu")).validate()
+    with pytest.raises(ClusterError, match="give it as sbatch spells it"):
+        ClusterConfig(launcher="slurm", slurm=SlurmSettings(sbatch_options=["qos=high"])).validate()
+
+
+def test_allocation_tasks_from_slurm_variables(monkeypatch):
+    from mpilab.placement import allocation_tasks
+
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    monkeypatch.setenv("SLURM_TASKS_PER_NODE", "2(x3),1")
+    assert allocation_tasks() == 7
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert allocation_tasks() == 4
+
+
+def test_the_launchers_telling_line_is_picked():
+    from mpilab.cluster import telling_line
+
+    output = ("[mpiexec@vm] HYDU_sock_write: write error\n"
+              "ssh: connect to host 10.0.0.9 port 22: No route to host\n"
+              "[mpiexec@vm] main: process manager error waiting for completion\n")
+    assert telling_line(output) == "ssh: connect to host 10.0.0.9 port 22: No route to host"
+    assert telling_line("sbatch: error: invalid partition specified: nosuch\n") == \
+        "sbatch: error: invalid partition specified: nosuch"
+    assert telling_line("mpilab-engine-exit host=n1 pid=- did not start: cannot reach the "
+                        "notebook at 10.0.0.1:4000: timed out\n") == \
+        "cannot reach the notebook at 10.0.0.1:4000: timed out"
+    assert telling_line("all fine\n") is None
+
+
+def test_lifeline_tells_its_holders_when_the_notebook_goes():
+    from mpilab import lifeline
+
+    line = lifeline.Lifeline("127.0.0.1")
+    held = lifeline.hold(line.address)
+    assert held.notebook_gone(wait=1.5) is None  # a beat arrives
+    deadline = time.monotonic() + 2
+    while line.holders < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert line.holders == 1
+    line.close()
+    assert held.notebook_gone(wait=1.0) == "the notebook closed its lifeline"
+
+
+def test_lifeline_silence_means_gone_and_no_notebook_means_lost():
+    import socket
+
+    from mpilab import lifeline
+
+    quiet = socket.socket()
+    quiet.bind(("127.0.0.1", 0))
+    quiet.listen(1)  # accepts, never beats: a notebook behind a cut link
+    held = lifeline.hold(f"127.0.0.1:{quiet.getsockname()[1]}")
+    assert held.notebook_gone(wait=0.2, silence_s=0.1).startswith("no word from the notebook")
+    quiet.close()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()
+    with pytest.raises(lifeline.LifelineLost, match="cannot reach the notebook"):
+        lifeline.hold(f"127.0.0.1:{port}", connect_s=0.3)
