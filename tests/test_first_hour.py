@@ -15,8 +15,10 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zipfile
 from pathlib import Path
 
+import nbformat
 import pytest
 from jupyter_client.manager import start_new_kernel
 from jupyter_lab import free_port
@@ -256,3 +258,88 @@ def test_lab_opens_copies_of_the_examples_in_the_mpilab_kernel(tmp_path):
     loaded, ipython_dir = out.split()
     assert loaded == "True"
     assert ".mpilab" not in ipython_dir
+
+
+# -- the wheel, installed ------------------------------------------------------------------
+WHEEL_NOTEBOOK = [
+    "%mpilab start -n 2",
+    "%%ranks\nimport mpilab as m, torch\nt = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\n"
+    "print('from', m.__file__.split('site-packages')[0], t.tolist())",
+    "%mpilab stop",
+]
+
+
+@pytest.mark.timeout(600)
+def test_wheel_in_a_fresh_venv_runs_two_ranks_and_has_the_examples(tmp_path):
+    """Not from a checkout: the wheel built from the repo, installed (not editable) into a
+    new virtual environment with its declared dependencies, offline (the wheels of this
+    environment's versions, packed from it: build/wheelhouse, reused by later runs)."""
+    from wheelhouse import wheelhouse
+
+    started = time.monotonic()
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", str(ROOT), "-w", str(dist)],
+                   check=True, capture_output=True)
+    wheel = next(dist.glob("mpilab-*.whl"))
+    with zipfile.ZipFile(wheel) as archive:
+        shipped = {Path(n).name for n in archive.namelist() if n.startswith("mpilab/examples/")}
+    assert shipped == {p.name for p in (ROOT / "notebooks").glob("*.ipynb")}
+    houses = ROOT / "build" / "wheelhouse"
+    wheelhouse([str(r) for r in _declared().values()], houses)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-index", "--find-links", str(houses),
+         "--no-compile", "-c", str(ROOT / "constraints-dev.txt"), str(wheel)],
+        capture_output=True, text=True)
+    assert install.returncode == 0, install.stdout + install.stderr
+    installed = time.monotonic()
+    # the fresh environment alone: its own bin first, nothing of the checkout's
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "IPYTHONDIR")}
+    env["PATH"] = os.pathsep.join([str(venv / "bin"), *(
+        p for p in os.environ.get("PATH", "").split(os.pathsep)
+        if not p.startswith(str(ROOT)))])
+    where = subprocess.run(
+        [str(python), "-c", "import mpilab, mpilab.cli as c, pathlib, sys\n"
+         "print(mpilab.__file__)\nprint(c.examples_dir())\n"
+         "print(len(c.prepare_notebooks(pathlib.Path(sys.argv[1]))))", str(tmp_path / "lab")],
+        capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert where.returncode == 0, where.stderr
+    package, examples, copied = where.stdout.split()
+    site = str(venv / "lib")
+    assert package.startswith(site) and examples.startswith(site), where.stdout
+    assert int(copied) == len(shipped) and (tmp_path / "lab" / "examples").is_dir()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in WHEEL_NOTEBOOK])
+    nb.metadata["kernelspec"] = {"name": "mpilab", "display_name": "Python (mpilab)",
+                                 "language": "python"}
+    nbformat.write(nb, tmp_path / "two_ranks.ipynb")
+    run = subprocess.run([str(venv / "bin" / "mpilab"), "run", str(tmp_path / "two_ranks.ipynb"),
+                          "-o", str(tmp_path / "out.ipynb")],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = nbformat.read(tmp_path / "out.ipynb", as_version=4)
+    text = "".join(o.get("text", "") for c in out.cells for o in c.outputs)
+    assert "mpilab: 2 ranks on" in text and "stopped 2 ranks" in text, text
+    assert f"[ranks 0-1] from {venv}/lib/python" in text and "[3.0, 3.0]" in text, text
+    print(f"wheel test: install {installed - started:.0f} s, "
+          f"run {time.monotonic() - installed:.0f} s")
+
+
+# -- with the cluster -----------------------------------------------------------------------
+def test_bench_shows_its_progress_and_names_a_skipped_backend_once(lab):
+    run = lab.run("%mpilab bench allreduce --sizes 4K:8K --backends mpi,nccl", timeout=300)
+    assert run.ok, run.text
+    progress = [o["content"]["data"]["text/plain"] for o in run.outputs
+                if o["type"] in ("display_data", "update_display_data")
+                and "message sizes" in o["content"]["data"].get("text/plain", "")]
+    assert progress[0].startswith("mpilab bench allreduce: 0/2 message sizes"), progress
+    assert "1/2 message sizes, 4KB done" in progress[1] and "2/2" in progress[-1], progress
+    assert run.stdout.count("nccl") == 1, run.stdout  # the table's "not measured" line
+    assert "not measured: nccl: skipped" in run.stdout
+    figure = next(o["content"]["data"]["application/vnd.plotly.v1+json"] for o in run.outputs
+                  if "application/vnd.plotly.v1+json" in o["content"].get("data", {}))
+    assert "nccl" not in json.dumps(figure["layout"])
+    assert {t["name"] for t in figure["data"]} >= {"mpi"}
