@@ -20,7 +20,12 @@ from pathlib import Path
 from . import lifeline, placement
 from .channel import MetricsStore, RecordReceiver
 from .placement import ClusterError
-from .rank.bootstrap import BootstrapError, gpu_spec
+from .rank.bootstrap import (
+    COLLECTIVE_TIMEOUT_ENV,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    BootstrapError,
+    gpu_spec,
+)
 
 LAUNCHERS = ("mpi", "slurm")
 
@@ -35,6 +40,7 @@ class ClusterConfig:
     controller_ip: str | None = None  # None: chosen from where the ranks run
     mpiexec: str | None = None
     timeout: float = 120.0
+    collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT_S  # torch.distributed's own
     slurm: placement.SlurmSettings = field(default_factory=placement.SlurmSettings)
 
     def validate(self) -> None:
@@ -55,6 +61,9 @@ class ClusterConfig:
             raise ClusterError(f"--hostfile {self.hostfile}: no such file")
         if self.timeout <= 0:
             raise ClusterError(f"--timeout must be positive, got {self.timeout}")
+        if self.collective_timeout <= 0:
+            raise ClusterError("--collective-timeout must be positive, got "
+                               f"{self.collective_timeout}")
         if self.launcher != "slurm" and self.slurm.given():
             raise ClusterError(f"{self.slurm.given()[0]} is a Slurm setting: add "
                                "--launcher slurm")
@@ -183,6 +192,7 @@ class RankCluster:
         # the controller and every engine hold this kernel's lifeline and end themselves
         # when it is gone (killed, crashed, unreachable), on whichever host they run
         os.environ[lifeline.ENV] = self._lifeline.address
+        os.environ[COLLECTIVE_TIMEOUT_ENV] = str(cfg.collective_timeout)
         cluster.config.LocalControllerLauncher.controller_cmd = [
             sys.executable, "-m", "mpilab.controller_main"]
         # engines start importing torch while they register (mpilab.rank.engine_main)

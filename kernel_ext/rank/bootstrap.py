@@ -109,16 +109,25 @@ def choose_backend(requested: str, device_type: str) -> str:
     return requested
 
 
+DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+COLLECTIVE_TIMEOUT_ENV = "MPILAB_COLLECTIVE_TIMEOUT"  # what `%mpilab start` was given
+
+
 def init(
     gpus: str | None = "auto",
     backend: str = "auto",
     agent_address: str | None = None,
     timeout: float = 120.0,
+    collective_timeout: float | None = None,
 ) -> RankContext:
     """Bootstrap this rank (idempotent) and return its context.
 
     Call it once in a script started by ``mpiexec -n N python train.py``; the notebook's
-    ``%mpilab start`` calls it on every engine.
+    ``%mpilab start`` calls it on every engine. `timeout` bounds the start (the
+    rendezvous); `collective_timeout` is how long torch.distributed's own collectives may
+    wait before torch gives up on them (default 30 minutes, or $MPILAB_COLLECTIVE_TIMEOUT):
+    mpilab's watchdog releases hung ranks long before, and a slow first step of a large
+    model must not be taken for a hang.
     """
     global _context
     if _context is not None:
@@ -142,6 +151,10 @@ def init(
     if first:
         raise BootstrapError(first)
     chosen_backend = choose_backend(backend, device.type)
+    _check_placement(torch, comm, node_comm, device, chosen_backend, host)
+    if collective_timeout is None:
+        collective_timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV)
+                                   or DEFAULT_COLLECTIVE_TIMEOUT_S)
 
     cores = _cores()
     threads = max(1, cores // local_size)
@@ -155,8 +168,9 @@ def init(
     _pin_transports(endpoint)
     store, store_address = None, None
     if not dist.is_initialized():
-        store, store_address = _init_process_group(dist, comm, chosen_backend, rank,
-                                                   world_size, endpoint, timeout)
+        store, store_address = _init_process_group(
+            dist, comm, chosen_backend, rank, world_size, endpoint, timeout,
+            collective_timeout, device)
 
     _context = RankContext(
         rank=rank,
@@ -208,6 +222,8 @@ def _align_collective_numbers() -> None:
 
 
 def _bind_device(torch, gpus, local_rank):
+    from .collectives import gpu_for_rank
+
     try:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         chosen = parse_gpus(gpus, available)
@@ -215,9 +231,20 @@ def _bind_device(torch, gpus, local_rank):
         return torch.device("cpu"), str(e)
     if not chosen:
         return torch.device("cpu"), None
-    index = chosen[local_rank % len(chosen)]
+    index = gpu_for_rank(local_rank, chosen)
     torch.cuda.set_device(index)
     return torch.device("cuda", index), None
+
+
+def _check_placement(torch, comm, node_comm, device, backend: str, host: str) -> None:
+    """Every rank learns at once when the node's ranks cannot share its GPUs this way."""
+    from .collectives import placement_error
+
+    gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
+    line = placement_error(node_comm.allgather(gpu), backend, host)
+    first = next((e for e in comm.allgather(line) if e), None)
+    if first:
+        raise BootstrapError(first)
 
 
 def _cores() -> int:
@@ -243,11 +270,14 @@ def _listening_socket(address: str) -> socket.socket:
     return sock
 
 
-def _init_process_group(dist, comm, backend, rank, world_size, endpoint, timeout):
+def _init_process_group(dist, comm, backend, rank, world_size, endpoint, timeout,
+                        collective_timeout, device):
     """Rank 0 opens the store on its endpoint and broadcasts where over MPI: no guessing.
 
     Returns the store and its (address, port); the store's server lives as long as the
-    store object, which the rank context keeps.
+    store object, which the rank context keeps. With NCCL the communicator is made now,
+    while every rank is here (`device_id`), not in the first collective, where a failed
+    peer would leave the others blocked in NCCL's setup, which nothing interrupts.
     """
     wait = timedelta(seconds=timeout)
     address = None
@@ -268,5 +298,7 @@ def _init_process_group(dist, comm, backend, rank, world_size, endpoint, timeout
         raise BootstrapError(address[1])
     if store is None:
         store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=wait)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=wait)
+    eager = {"device_id": device} if backend == "nccl" else {}
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=collective_timeout), **eager)
     return store, address
