@@ -28,10 +28,11 @@ test: install
 demo: install
 	$(BIN)/mpilab run notebooks/01_quickstart.ipynb -o build/quickstart.ipynb --html build/quickstart.html
 
-# every figure of the README's benchmark table, with the options it quotes (~27 min)
+# every figure of the README's benchmark table, with the options it quotes (~28 min)
 bench: install
 	$(BIN)/python benchmarks/bench_dispatch.py --reps 40
 	$(BIN)/python benchmarks/bench_start.py --reps 3
+	$(BIN)/python benchmarks/bench_first_cell.py --reps 3
 	$(BIN)/python benchmarks/bench_training.py --steps 20 --repeats 5
 	$(BIN)/python benchmarks/bench_allreduce.py --repeats 30
 	$(BIN)/python benchmarks/bench_redraw.py
