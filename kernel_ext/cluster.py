@@ -335,11 +335,11 @@ class RankCluster:
     def stop(self, fast: bool = False) -> None:
         """Stop engines, controller and receiver, on every host; leaves nothing behind.
 
-        The engines are asked to exit; closing the lifeline then ends every supervisor's
-        engine that has not, on whichever host; mpiexec and the controller are ended by
-        pid and a Slurm job is cancelled and waited for.
-        fast: the kernel is exiting and may be killed within seconds, so end everything
-        at once and tidy ipyparallel's files ourselves.
+        Closing the lifeline ends every rank at once, on whichever host: each supervisor
+        kills its engine within a quarter of a second (a rank keeps no state worth a
+        graceful exit). Then mpiexec and the controller are ended by pid, ipyparallel's
+        files removed, and a Slurm job cancelled and waited for.
+        fast: the kernel is exiting and may be killed within seconds: wait for nothing.
         """
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
         held = self._lifeline
@@ -347,32 +347,15 @@ class RankCluster:
         self.ranks, self.engine_of_rank, self.dead = [], {}, {}
         launched = _launched_processes(cluster) if cluster is not None else []
         jobs = _slurm_jobs(cluster) if cluster is not None else []
-        if fast:
-            if held is not None:
-                held.close()
-            for job in jobs:
-                _cancel(job, wait=0)
-            _kill_survivors(launched, grace=0)
-            if cluster is not None:
-                _remove_cluster_files(cluster)
-        else:
-            if client is not None:
-                try:
-                    # engines that exit on their own let mpiexec end cleanly and at once
-                    client.shutdown(targets="all", block=False)
-                except Exception:  # noqa: BLE001 - dead engines cannot be asked; ended below
-                    pass
-                _wait_for_exit(launched, held, timeout=5)
-            if held is not None:
-                held.close()
-            if cluster is not None:
-                try:
-                    cluster.stop_cluster_sync()
-                except Exception:  # noqa: BLE001 - then kill what we started, by pid
-                    pass
-                _kill_survivors(launched)
-            for job in jobs:
-                _cancel(job, wait=SLURM_CANCEL_WAIT_S)
+        if held is not None:
+            held.close()
+        if not fast:
+            _wait_for_exit(launched, timeout=ENGINE_EXIT_WAIT_S)
+        _kill_survivors(launched, grace=0)
+        if cluster is not None:
+            _remove_cluster_files(cluster)
+        for job in jobs:
+            _cancel(job, wait=0 if fast else SLURM_CANCEL_WAIT_S)
         if client is not None:
             try:
                 client.close()
@@ -457,16 +440,15 @@ def _launched_processes(cluster) -> list:
     return procs
 
 
-def _wait_for_exit(procs: list, held: lifeline.Lifeline | None, timeout: float) -> None:
-    """Wait until the engines have exited: the local processes (not the controller), and
-    every supervisor's hold on the lifeline, on any host (the controller's stays)."""
+ENGINE_EXIT_WAIT_S = 3.0
+
+
+def _wait_for_exit(procs: list, timeout: float) -> None:
+    """Wait until the engines and mpiexec (not the controller) have exited here."""
     import psutil
 
-    deadline = time.monotonic() + timeout
-    engines = [p for p in procs if "ipyparallel.controller" not in " ".join(_cmdline(p))]
+    engines = [p for p in procs if "controller_main" not in " ".join(_cmdline(p))]
     psutil.wait_procs([p for p in engines if p.is_running()], timeout=timeout)
-    while held is not None and held.holders > 1 and time.monotonic() < deadline:
-        time.sleep(0.05)
 
 
 SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",

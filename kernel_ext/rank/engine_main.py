@@ -102,6 +102,22 @@ def _rdma_ports() -> list[str]:
     return ports
 
 
+def _end_group(child: int) -> None:
+    """Kill the engine and everything it started (ipyparallel's nanny runs in a session
+    of its own, and would hold mpiexec's output pipe open after the engine is gone)."""
+    import psutil
+
+    try:
+        helpers = psutil.Process(child).children(recursive=True)
+    except psutil.Error:
+        helpers = []
+    for pid in (child, *(h.pid for h in helpers)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def supervise(argv: list[str]) -> int:
     try:
         held = lifeline.hold()
@@ -129,7 +145,7 @@ def supervise(argv: list[str]) -> int:
             break
         gone = held.notebook_gone(wait=WATCH_INTERVAL_S) if held else None
         if gone:  # the notebook is gone: so are its ranks
-            os.kill(child, signal.SIGKILL)
+            _end_group(child)
             os.waitpid(child, 0)
             print(report(child, f"ended: {gone}"), file=sys.stderr, flush=True)
             return 1
