@@ -130,3 +130,162 @@ def test_outside_a_cluster_says_so() -> None:
         collectives.allreduce(torch.ones(2))
     with pytest.raises(bootstrap.BootstrapError, match="not initialised"):
         collectives.barrier()
+
+
+# ------------------------------------------------ the per-tensor plans of CPU tensors
+_PLANS = """
+import gc, threading, time
+import numpy as np
+import torch
+from mpilab.rank import agent as agent_mod, collectives, waiting
+from mpilab.rank.fast_allreduce import plan_for
+
+out = {}
+r, n = ctx.rank, ctx.world_size
+out["path"] = plan_for(collectives.private_comm()).path
+# spans and heartbeats as the notebook gets them: an agent with an address, not started
+probe = agent_mod.Agent(r, n, "tcp://127.0.0.1:9")
+agent_mod._agent = probe
+
+# one tensor reduced again and again: values change, the plan is kept
+t = torch.zeros(5)
+sums = []
+for i in range(4):
+    t.fill_(r + i)
+    sums.append(mpilab.allreduce(t).tolist())
+out["loop"] = sums
+out["planned"] = collectives.tensor_plan(t) is collectives.tensor_plan(t)
+# the tensor changes under its plan: new storage, new shape, new dtype
+t.data = torch.full((3,), float(r + 1))
+out["new_storage"] = mpilab.allreduce(t, op="mean").tolist()
+t.resize_(2, 2).fill_(r)
+out["resized"] = mpilab.allreduce(t, op="max").tolist()
+t.data = torch.full((2,), r + 1, dtype=torch.int64)
+out["new_dtype"] = mpilab.allreduce(t, op="mean").tolist()
+view = torch.arange(10.0)[2:6] + r  # a view with an offset into its storage
+out["view"] = mpilab.allreduce(view).tolist()
+# gone with its tensor
+before = len(collectives._plans)
+mpilab.allreduce(torch.ones(7))
+gc.collect()
+out["dropped"] = len(collectives._plans) == before
+
+# broadcast and allgather: small, several chunks (odd sizes), every kind of dtype
+def pattern(count, dtype, rank):
+    values = (torch.arange(count, dtype=torch.int64) * 7 + rank * 13) % 120
+    return values.to(dtype)
+
+bad = []
+for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64):
+    for count in (1, 3, 1000, (5 << 20) // 4 + 3):
+        for root in range(n):
+            x = pattern(count, dtype, r)
+            mpilab.broadcast(x, root=root)
+            if not torch.equal(x, pattern(count, dtype, root)):
+                bad.append(f"broadcast {dtype} {count} root {root}")
+        g = mpilab.allgather(pattern(count, dtype, r))
+        want = torch.stack([pattern(count, dtype, q) for q in range(n)])
+        if g.shape != want.shape or g.dtype != dtype or not torch.equal(g, want):
+            bad.append(f"allgather {dtype} {count}")
+out["bad"] = bad
+out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
+
+# what the notebook receives: numbered spans with bytes, and a heartbeat's shape text
+probe._queue.clear()
+seq0 = probe.state.seq
+m = torch.ones(2, 3)
+mpilab.allreduce(m)
+mpilab.broadcast(m)
+mpilab.allgather(m)
+spans = [(rec["labels"], list(np.frombuffer(rec["data"]).reshape(-1, 5)[:, 3:]))
+         for rec in agent_mod.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
+out["spans"] = [[labels, [[int(v) for v in row] for row in rows]] for labels, rows in spans]
+out["seq"] = probe.state.seq - seq0
+seen = []
+def sample(stop):
+    while not stop.is_set():
+        hb = probe.heartbeat()
+        if hb["phase"] == "collective":
+            seen.append([hb["op"], hb["op_shape"], hb["op_nbytes"]])
+            return
+stop = threading.Event()
+sampler = threading.Thread(target=sample, args=(stop,))
+sampler.start()
+if r == 1:
+    time.sleep(0.3)  # rank 0 waits in its allreduce meanwhile
+mpilab.allreduce(torch.ones(4, 1, 2))
+stop.set(); sampler.join()
+out["heartbeat"] = seen
+
+# a released wait in a planned broadcast; recovery gives the tensor a new plan
+x = torch.zeros(1000)
+mpilab.broadcast(x)
+ctx.comm.Barrier()
+outcome = None
+if r == 0:
+    threading.Timer(0.3, waiting.abort, ("peer failed",)).start()
+    try:
+        mpilab.broadcast(x)
+    except waiting.CollectiveAborted as e:
+        outcome = str(e)
+else:
+    time.sleep(0.6)
+    waiting.abort("peer failed")
+waiting.recover()
+x.fill_(r + 5)
+out["aborted"] = outcome
+out["after_recovery"] = mpilab.broadcast(x, root=1).tolist()[:2]
+report(out)
+"""
+
+
+@pytest.fixture(scope="module")
+def plans() -> list:
+    return run_ranks(_PLANS, n=2)
+
+
+def test_a_tensor_reduced_again_keeps_its_plan_and_follows_its_changes(plans: list) -> None:
+    for rank, got in enumerate(plans):
+        assert got["path"] == "shm"
+        assert got["loop"] == [[2 * i + 1.0] * 5 for i in range(4)], rank
+        assert got["planned"]
+        assert got["new_storage"] == [1.5, 1.5, 1.5]
+        assert got["resized"] == [[1.0, 1.0], [1.0, 1.0]]
+        assert got["new_dtype"] == [1, 1]  # (1 + 2) // 2
+        assert got["view"] == [5.0, 7.0, 9.0, 11.0]
+        assert got["dropped"]
+
+
+def test_broadcast_and_allgather_over_shared_memory_every_size_and_dtype(plans: list) -> None:
+    for got in plans:
+        assert got["bad"] == []
+        assert got["scalar"] == [0.0, 1.0]
+
+
+def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: list) -> None:
+    for got in plans:
+        assert got["seq"] == 3
+        assert [labels for labels, _ in got["spans"]] == [
+            ["allreduce", "comm"], ["broadcast", "comm"], ["allgather", "comm"]]
+        rows = [rows for _, rows in got["spans"]]
+        first = rows[0][0][1]
+        assert rows == [[[24, first]], [[24, first + 1]], [[24, first + 2]]]
+    assert plans[0]["heartbeat"] == [["allreduce", "4x1x2", 32]]
+
+
+def test_a_released_planned_wait_and_recovery(plans: list) -> None:
+    assert plans[0]["aborted"] == "peer failed"
+    assert plans[0]["after_recovery"] == plans[1]["after_recovery"] == [6.0, 6.0]
+
+
+def test_span_rows_and_shape_text_match_the_records_they_replace() -> None:
+    import torch
+    from mpilab.rank import agent as agent_mod
+
+    record = {"k": "span", "r": 0, "t": 2.5, "name": "allreduce", "cat": "comm", "ts": 2.0,
+              "dur": 0.5, "nbytes": 64, "seq": 7}
+    assert agent_mod.tabulate(0, [("allreduce", 2.0, 2.5, 64, 7)]) == \
+        agent_mod.tabulate(0, [record])
+    assert agent_mod.shape_text(torch.Size([2, 3])) == "2x3"
+    assert agent_mod.shape_text(()) == "scalar"
+    assert agent_mod.shape_text("buckets=2") == "buckets=2"

@@ -181,7 +181,8 @@ def test_parse_sizes():
 BENCH = """
 from mpilab.rank import bench
 
-rows = {op: bench.run_bench(op, [4096, 65536], ["mpilab", "mpi", "gloo", "nccl"], repeats=2)
+rows = {op: bench.run_bench(op, [4096, 65536], ["mpilab", "mpilab-internal", "mpi", "gloo",
+                                                 "nccl"], repeats=2)
         for op in ("allreduce", "broadcast", "allgather")}
 report_in_turn({"rows": rows, "memcpy": bench.memcpy_bandwidth(1 << 20, repeats=2)})
 """
@@ -196,7 +197,7 @@ def test_run_bench_rows_follow_nccl_tests():
     for op, rows in results[0]["rows"].items():
         measured = [r for r in rows if r["backend"] != "nccl"]
         assert [(r["backend"], r["size_bytes"]) for r in measured] == [
-            (b, s) for b in ("mpilab", "mpi", "gloo") for s in (4096, 65536)]
+            (b, s) for b in ("mpilab", "mpilab-internal", "mpi", "gloo") for s in (4096, 65536)]
         for r in measured:
             assert r["op"] == op and r["time_s"] > 0
             assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)

@@ -23,8 +23,8 @@ import sys
 import threading
 import time
 from array import array
-from contextlib import contextmanager
 from dataclasses import dataclass, field
+from threading import get_ident
 
 HEARTBEAT_INTERVAL_S = 0.5
 # Records leave in batches at wall-clock multiples of this, the same moments on every
@@ -72,14 +72,22 @@ def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
                    for column in table.columns))]
 
 
-def tabulate(rank: int, records: list[dict]) -> list[dict]:
+def tabulate(rank: int, records: list[dict | tuple]) -> list[dict]:
     """The records with those of tabular kinds turned into blocks of rows (a `rows`
     record per table and at most MAX_TABLE_ROWS rows), then the others as they are: an
-    event such as a cell's end comes after the steps before it, in whatever message."""
+    event such as a cell's end comes after the steps before it, in whatever message.
+
+    A tuple is a collective's span as ``Agent.span`` queues it: (name, ts, end, nbytes,
+    seq), a row of the span table of category "comm"."""
     blocks: list[dict] = []
     others: list[dict] = []
     tables: dict[tuple, list[tuple]] = {}
     for record in records:
+        if type(record) is tuple:
+            name, ts, end, nbytes, seq = record
+            tables.setdefault(("span", (name, "comm")), []).append(
+                (end, ts, end - ts, nbytes, seq))
+            continue
         if record["k"] not in TABLES:
             others.append(record)
             continue
@@ -110,7 +118,9 @@ class RankState:
     seq: int = 0  # collectives started so far (the collective sequence number)
     op_started: float = 0.0
     op_nbytes: int = 0
-    op_shape: str = ""
+    # what the collective is on: a text, or a tensor's shape that the heartbeat formats
+    # (shape_text), so that a collective builds no string
+    op_shape: str | tuple = ""
     step: int = 0
     cell: int = 0
     request: str = ""  # the running cell's execute request (msg id): the notebook's name for it
@@ -164,7 +174,7 @@ class Agent:
             "seq": st.seq,
             "op_age": (now - st.op_started) if st.phase == "collective" else 0.0,
             "op_nbytes": st.op_nbytes,
-            "op_shape": st.op_shape,
+            "op_shape": shape_text(st.op_shape),
             "step": st.step,
             "cell": st.cell,
             "rss": _rss_bytes(),
@@ -173,33 +183,34 @@ class Agent:
             "recent": [list(item) for item in st.recent],
         }
 
-    @contextmanager
-    def collective(self, op: str, nbytes: int = 0, shape: str = ""):
-        """Mark a collective in progress: heartbeats carry it, a span records it.
+    def collective(self, op: str, nbytes: int = 0, shape: str | tuple = "",
+                   numbered: bool | None = None) -> Collective:
+        """Mark a collective in progress: heartbeats carry it, a span records it
+        (``with agent.collective(...) as seq:``).
 
-        Only the main thread's collectives are numbered: their order is the program's,
-        the same on every rank, so numbers can be compared across ranks. A background
-        thread's (DataParallel's buckets) only leave spans.
+        Only the main thread's collectives are numbered (`numbered` None: whether this is
+        the main thread): their order is the program's, the same on every rank, so
+        numbers can be compared across ranks. A background thread's (DataParallel's
+        buckets) only leave spans. `shape`: a text, or a tensor's shape (formatted only
+        when a heartbeat is sent).
         """
-        st = self.state
-        start = time.time()
-        main = threading.current_thread() is threading.main_thread()
-        if main:
-            previous = st.phase
-            st.seq += 1
-            st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
-            st.op_started = start
-            st.phase = "collective"
-            st.recent.append((st.seq, op, nbytes))
-        try:
-            yield st.seq
-        finally:
-            end = time.time()
-            if main:
-                st.phase = previous
-                st.op = ""
-            self.emit("span", name=op, cat="comm", ts=start, dur=end - start,
-                      nbytes=nbytes, seq=st.seq, t=end)
+        if numbered is None:
+            numbered = get_ident() == threading.main_thread().ident
+        return Collective(self, op, nbytes, shape, numbered)
+
+    def span(self, name: str, ts: float, end: float, nbytes: int, seq: int) -> None:
+        """Queue a collective's span (category "comm") as a row, not a record: a
+        collective of a few microseconds must not pay for a dict.
+
+        Without a notebook nothing is sent; an ``emit`` replaced on this agent (a capture
+        of the records) still gets the span as a record."""
+        if self.address is None:
+            capture = self.__dict__.get("emit")
+            if capture is not None:
+                capture("span", name=name, cat="comm", ts=ts, dur=end - ts, nbytes=nbytes,
+                        seq=seq, t=end)
+            return
+        self._queue.append((name, ts, end, nbytes, seq))
 
     # -- the thread --------------------------------------------------------------
     def start(self) -> None:
@@ -256,7 +267,51 @@ class Agent:
             sock.close()
 
 
-def encode(rank: int, records: list[dict]) -> list[bytes]:
+class Collective:
+    """The context of one collective (Agent.collective): a plain class rather than a
+    generator, since small collectives take a few microseconds and a generator-based
+    context manager costs about as much as one of them."""
+
+    __slots__ = ("agent", "op", "nbytes", "shape", "numbered", "start", "previous")
+
+    def __init__(self, agent: Agent, op: str, nbytes: int, shape: str | tuple,
+                 numbered: bool):
+        self.agent = agent
+        self.op = op
+        self.nbytes = nbytes
+        self.shape = shape
+        self.numbered = numbered
+
+    def __enter__(self) -> int:
+        st = self.agent.state
+        self.start = start = time.time()
+        if self.numbered:
+            self.previous = st.phase
+            st.seq += 1
+            # the heartbeat thread reads phase first: everything else is set before it
+            st.op, st.op_nbytes, st.op_shape = self.op, self.nbytes, self.shape
+            st.op_started = start
+            st.phase = "collective"
+            st.recent.append((st.seq, self.op, self.nbytes))
+        return st.seq
+
+    def __exit__(self, *exc: object) -> None:
+        end = time.time()
+        st = self.agent.state
+        if self.numbered:
+            st.phase = self.previous
+            st.op = ""
+        self.agent.span(self.op, self.start, end, self.nbytes, st.seq)
+
+
+def shape_text(shape: str | tuple) -> str:
+    """A heartbeat's op_shape: a text as it is, a tensor's shape as 2x3 ("scalar": ())."""
+    if isinstance(shape, str):
+        return shape
+    return "x".join(str(s) for s in shape) or "scalar"
+
+
+def encode(rank: int, records: list[dict | tuple]) -> list[bytes]:
     """A rank's records as the messages it sends: blocks of rows, then the rest."""
     import msgpack  # on the agent's thread: importing mpilab.rank stays cheap
 

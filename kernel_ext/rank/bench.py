@@ -7,6 +7,16 @@ gloo, NCCL) and with the node's memory-copy ceiling under identical conditions.
 Bandwidths follow nccl-tests (https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md):
 algbw = size / time; busbw = algbw × 2(n-1)/n for allreduce, × (n-1)/n for allgather
 (size = the gathered output), × 1 for broadcast. GB/s are 1e9 bytes per second.
+
+Backends: ``mpilab`` is what a user calls, ``mpilab.allreduce / broadcast / allgather``
+on a CPU tensor; ``mpilab-internal`` the NumPy-level path under it (allreduce_inplace,
+the shared-memory engine's broadcast and allgather), to show what the public call adds;
+``mpi`` mpi4py's blocking calls; ``gloo`` and ``nccl`` torch.distributed's.
+
+The memory-copy figure (the ceiling): ``memcpy_bandwidth()``, the bytes one core copies
+per second with ``np.copyto`` between two buffers of MEMCPY_BYTES (far beyond any
+last-level cache, so it is the DRAM rate). A byte copied is read once and written once,
+so the memory bus carries at least twice the figure.
 """
 
 from __future__ import annotations
@@ -24,7 +34,8 @@ from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
 OPS = ("allreduce", "broadcast", "allgather")
-BACKENDS = ("mpilab", "mpi", "gloo", "nccl")
+BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl")
+MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WARMUP = 2
 # Each timed repetition runs back-to-back collectives moving about this many bytes (at
@@ -67,12 +78,17 @@ def bus_factor(op: str, n: int) -> float:
     return {"allreduce": 2 * (n - 1) / n, "allgather": (n - 1) / n, "broadcast": 1.0}[op]
 
 
-def memcpy_bandwidth(size: int, repeats: int = 10) -> float:
-    """This core's memory-copy bandwidth in GB/s for `size`-byte buffers (the ceiling line).
+def memcpy_bandwidth(size: int = MEMCPY_BYTES, repeats: int = 5) -> float:
+    """The memory-copy figure, in GB/s: bytes copied per second by one core between two
+    buffers of at least MEMCPY_BYTES (`size` when larger), the median of `repeats`
+    copies. One definition for every ceiling mpilab shows (%mpilab bench, mpilab bench,
+    the benchmarks, docs/performance.md)."""
+    return copy_bandwidth(max(size, MEMCPY_BYTES), repeats)
 
-    Above the last-level cache size it is the node's single-core DRAM copy rate; below,
-    the copy runs from cache and is faster.
-    """
+
+def copy_bandwidth(size: int, repeats: int = 10) -> float:
+    """This core's copy rate in GB/s for `size`-byte buffers: above the last-level cache
+    the DRAM rate, below it the cache's (faster)."""
     src = np.ones(max(1, size // 8), np.float64)
     dst = np.zeros_like(src)  # written below, so its pages are faulted in beforehand
     times = []
@@ -205,16 +221,30 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
             "broadcast": lambda: comm.Bcast(send, root=0),
             "allgather": lambda: comm.Allgather(send, recv),
         }[op]
-    if backend == "mpilab":
-        if op == "allreduce":
-            return lambda: allreduce_inplace(send, "sum", comm)
-        from . import collectives  # mpilab's own path for the other collectives
+    if backend == "mpilab":  # what a user calls
+        from . import collectives
 
         t_send = torch.from_numpy(send)
         return {
+            "allreduce": lambda: collectives.allreduce(t_send),
             "broadcast": lambda: collectives.broadcast(t_send, root=0),
             "allgather": lambda: collectives.allgather(t_send),
         }[op]
+    if backend == "mpilab-internal":  # the NumPy-level path under it
+        from . import collectives
+        from .fast_allreduce import plan_for
+
+        private = collectives.private_comm()
+        route = plan_for(private)
+        if op == "allreduce":
+            return lambda: allreduce_inplace(send, "sum", private)
+        if route.path != "shm":  # several nodes: what the public call uses there
+            return {"broadcast": lambda: wait_interruptibly(private.Ibcast(send, root=0)),
+                    "allgather": lambda: wait_interruptibly(private.Iallgather(send, recv)),
+                    }[op]
+        engine = route.node
+        return {"broadcast": lambda: engine.broadcast(send, root=0),
+                "allgather": lambda: engine.allgather(send, recv)}[op]
 
     import torch.distributed as dist
 

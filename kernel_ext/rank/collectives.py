@@ -24,16 +24,19 @@ functions the bootstrap calls: ``gpu_for_rank`` and ``placement_error``.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
 from . import bootstrap, waiting
-from .fast_allreduce import allreduce_inplace
+from .fast_allreduce import allreduce_inplace, plan_for, reducer
 from .waiting import wait_interruptibly
 
 OPS = ("sum", "mean", "max", "min")
@@ -42,6 +45,12 @@ BACKENDS = ("auto", "mpi", "torch")
 _WIDEN = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
 _MPI_DTYPES = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
                torch.int64, torch.int8, torch.uint8}
+# reduced as they are, through a NumPy view of the tensor (the others are widened first)
+_NUMPY_DTYPES = {torch.float32: np.float32, torch.float64: np.float64,
+                 torch.int32: np.int32, torch.int64: np.int64, torch.int8: np.int8,
+                 torch.uint8: np.uint8}
+_HOST_BACKENDS = ("auto", "mpi")  # what a CPU tensor resolves to over MPI
+_REDUCE = {"sum": "sum", "mean": "sum", "max": "max", "min": "min"}  # op -> MPI's op
 
 # mpilab's own communicators (dups of COMM_WORLD): one for the collectives here, one for
 # DataParallel's communication thread (two threads must not share a communicator).
@@ -144,10 +153,6 @@ def tensor_bytes(tensors: torch.Tensor | Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _shape(tensor: torch.Tensor) -> str:
-    return "x".join(str(s) for s in tensor.shape) or "scalar"
-
-
 # A wait on a torch.distributed work was given up since the last recovery: its group
 # may hold a collective the peers never joined.
 _abandoned = [False]
@@ -213,12 +218,115 @@ def _as_bytes(buf: torch.Tensor) -> Any:
     return buf.detach().view(-1).view(torch.uint8).numpy()
 
 
+# ------------------------------------------------------------ per-tensor plans (CPU, MPI)
+class TensorPlan:
+    """How one CPU tensor travels on mpilab's MPI path: made at its first collective and
+    kept while the tensor lives with the same storage, shape, strides and dtype (checked
+    at every call, about a microsecond).
+
+    Why: a collective on a small tensor takes a few microseconds on shared memory, and
+    what a call would otherwise redo each time (a NumPy view, the byte count, the
+    shape's text, the choice of path) costs several times that. A tensor reduced again
+    and again (a metric every step, a buffer) pays for them once.
+
+    The NumPy views do not own the tensor's memory (an owning view would keep the
+    tensor alive from this cache); they are used only once the checks have shown that
+    the tensor, alive as the caller's argument, still has that memory.
+    """
+
+    __slots__ = ("ref", "ptr", "shape", "stride", "dtype", "comm", "nbytes", "size",
+                 "raw", "array", "world", "floating", "reduce", "broadcast", "gather",
+                 "gathered_shape", "__weakref__")
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return (self.ref() is tensor and self.comm is _comms.get("collectives")
+                and tensor.data_ptr() == self.ptr and tensor.shape == self.shape
+                and tensor.stride() == self.stride and tensor.dtype is self.dtype)
+
+
+_plans: dict[int, TensorPlan] = {}
+_MAX_PLANS = 4096  # tensors whose plans are kept at once (a plan goes with its tensor)
+
+
+def tensor_plan(tensor: Any) -> TensorPlan | None:
+    """The plan of a CPU tensor for mpilab's MPI path, made at the first call; None for
+    anything the general path takes (a list, a GPU, empty or non-contiguous tensor, a
+    process without mpilab)."""
+    plan = _plans.get(id(tensor))
+    if plan is not None and plan.fits(tensor):
+        return plan
+    if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
+            or tensor.layout != torch.strided or not tensor.is_contiguous()
+            or tensor.numel() == 0 or tensor.is_neg() or tensor.is_conj()
+            or not bootstrap.is_initialized()):
+        return None
+    return _make_plan(tensor)
+
+
+def _make_plan(tensor: torch.Tensor) -> TensorPlan:
+    comm = private_comm()
+    plan = TensorPlan()
+    key = id(tensor)
+    plan.ref = weakref.ref(tensor, functools.partial(_drop_plan, key))
+    plan.ptr, plan.shape, plan.stride = tensor.data_ptr(), tensor.shape, tensor.stride()
+    plan.dtype, plan.comm = tensor.dtype, comm
+    plan.size = comm.Get_size()
+    plan.nbytes = tensor.numel() * tensor.element_size()
+    plan.raw = _byte_view(plan.ptr, plan.nbytes)
+    numpy_dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    plan.array = None if numpy_dtype is None else plan.raw.view(numpy_dtype)
+    plan.world = None if numpy_dtype is None else numpy_dtype(plan.size)
+    plan.floating = tensor.is_floating_point()
+    plan.gathered_shape = (plan.size, *plan.shape)
+    route = plan_for(comm)
+    plan.reduce = reducer(comm)
+    if route.path == "shm":
+        plan.broadcast, plan.gather = route.node.broadcast, route.node.allgather
+    else:
+        plan.broadcast = functools.partial(_mpi_broadcast, comm)
+        plan.gather = functools.partial(_mpi_allgather, comm)
+    if len(_plans) >= _MAX_PLANS:
+        _plans.clear()
+    _plans[key] = plan
+    return plan
+
+
+def _drop_plan(key: int, ref: weakref.ref) -> None:
+    """A tensor with a plan is gone: its plan goes too (unless the id has a newer one)."""
+    plan = _plans.get(key)
+    if plan is not None and plan.ref is ref:
+        del _plans[key]
+
+
+def _byte_view(ptr: int, nbytes: int) -> np.ndarray:
+    """A uint8 NumPy array over `nbytes` of memory at `ptr`, not owning it."""
+    return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), np.uint8)
+
+
+def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
+    wait_interruptibly(comm.Ibcast(raw, root=root))
+
+
+def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
+    wait_interruptibly(comm.Iallgather(send, recv))
+
+
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
               backend: str = "auto") -> Any:
     """Reduce `tensor` across ranks in place and return it; a list goes through tensor fusion.
 
     op: sum | mean | max | min (the mean of integer tensors rounds down).
     """
+    plan = tensor_plan(tensor)
+    if plan is not None and plan.array is not None and backend in _HOST_BACKENDS \
+            and op in _REDUCE:
+        # a CPU tensor over mpilab's MPI path: its plan, no per-call views or strings
+        with waiting.collective("allreduce", plan.nbytes, plan.shape):
+            plan.reduce(plan.array, _REDUCE[op])
+            if op == "mean":  # torch's division of the old path, bit for bit
+                (np.divide if plan.floating else np.floor_divide)(
+                    plan.array, plan.world, out=plan.array)
+        return tensor
     bootstrap.context()
     _check_op(op)
     if isinstance(tensor, (list, tuple)):
@@ -228,7 +336,7 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
         with waiting.collective("allreduce", nbytes, f"{len(tensor)} tensors"):
             return grouped_allreduce(list(tensor), op=op, backend=backend, comm=private_comm())
     chosen = resolve_backend(backend, tensor)
-    with waiting.collective("allreduce", tensor_bytes(tensor), _shape(tensor)):
+    with waiting.collective("allreduce", tensor_bytes(tensor), tensor.shape):
         if chosen == "mpi":
             _mpi_allreduce(tensor, op)
         else:
@@ -264,11 +372,16 @@ def _torch_allreduce(tensor: torch.Tensor, op: str) -> None:
 
 def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> torch.Tensor:
     """Copy rank `root`'s `tensor` into `tensor` on every rank; returns it."""
+    plan = tensor_plan(tensor)
+    if plan is not None and backend in _HOST_BACKENDS and 0 <= root < plan.size:
+        with waiting.collective("broadcast", plan.nbytes, plan.shape):
+            plan.broadcast(plan.raw, root)
+        return tensor
     ctx = bootstrap.context()
     if not 0 <= root < ctx.world_size:
         raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
     chosen = resolve_backend(backend, tensor)
-    with waiting.collective("broadcast", tensor_bytes(tensor), _shape(tensor)), \
+    with waiting.collective("broadcast", tensor_bytes(tensor), tensor.shape), \
             torch.no_grad():
         if chosen == "mpi":
             buf = _host_buffer(tensor, tensor.dtype)
@@ -286,11 +399,17 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
 
 def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """Every rank's `tensor` stacked: a new tensor of shape [world_size, *tensor.shape]."""
+    plan = tensor_plan(tensor)
+    if plan is not None and backend in _HOST_BACKENDS:
+        out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
+        with waiting.collective("allgather", plan.nbytes, plan.shape):
+            plan.gather(plan.raw, _byte_view(out.data_ptr(), plan.nbytes * plan.size))
+        return out
     ctx = bootstrap.context()
     chosen = resolve_backend(backend, tensor)
     out = torch.empty((ctx.world_size, *tensor.shape), dtype=tensor.dtype,
                       device=tensor.device)
-    with waiting.collective("allgather", tensor_bytes(tensor), _shape(tensor)), \
+    with waiting.collective("allgather", tensor_bytes(tensor), tensor.shape), \
             torch.no_grad():
         if chosen == "mpi":
             send = _host_buffer(tensor, tensor.dtype)
@@ -312,7 +431,11 @@ def barrier(backend: str = "auto") -> None:
     chosen = resolve_backend(backend, None)
     with waiting.collective("barrier"):
         if chosen == "mpi":
-            wait_interruptibly(private_comm().Ibarrier())
+            route = plan_for(private_comm())
+            if route.path == "shm":
+                route.node.sync()  # MPI's Ibarrier, polled, takes ~50 µs on one node
+            else:
+                wait_interruptibly(private_comm().Ibarrier())
         else:
             import torch.distributed as dist
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -184,14 +185,34 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
     flat = array if array.ndim == 1 else array.reshape(-1)
     plan = plan_for(comm)
     path = plan.path
-    if path == "mpi":
-        _mpi_allreduce(flat, op, comm)
-    elif path == "shm":
+    if path == "shm":
         plan.node.allreduce(flat, op)
+    elif path == "mpi":
+        _mpi_allreduce(flat, op, comm)
     else:
-        if plan.node is not None:
-            plan.node.allreduce(flat, op, to_root_only=True)
-        if plan.leaders is not None:
-            _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
-        if plan.node is not None:
-            plan.node.broadcast(flat, root=0)
+        _hierarchical(flat, op, plan)
+
+
+def reducer(comm) -> Callable[[np.ndarray, str], None]:
+    """allreduce_inplace on `comm` without its checks, as a function of (array, op):
+    for a caller that checked its array once (1-D, C-contiguous, not empty, of a kind
+    allreduce_inplace takes; op sum | max | min) and reduces it again and again
+    (mpilab.allreduce's plan of a tensor). The first call on `comm` is collective, as
+    with plan_for."""
+    plan = plan_for(comm)
+    if plan.path == "shm":
+        return plan.node.allreduce
+    if plan.path == "mpi":
+        return lambda flat, op: _mpi_allreduce(flat, op, comm)
+    return lambda flat, op: _hierarchical(flat, op, plan)
+
+
+def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
+    """Within each node through shared memory, among the node leaders over MPI, and
+    back within each node."""
+    if plan.node is not None:
+        plan.node.allreduce(flat, op, to_root_only=True)
+    if plan.leaders is not None:
+        _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
+    if plan.node is not None:
+        plan.node.broadcast(flat, root=0)

@@ -287,6 +287,15 @@ class ShmEngine:
     def _broadcast(self, arr: np.ndarray, root: int) -> None:
         dt = arr.dtype
         step = self.chunk_bytes // dt.itemsize
+        if arr.size <= step:  # one chunk (small messages): one barrier, no lists
+            slot = self._slot(root, self._next_parity(), dt, arr.size)
+            if self.rank == root:
+                np.copyto(slot, arr)
+                self.barrier()
+            else:
+                self.barrier()
+                np.copyto(arr, slot)
+            return
         chunks = [arr[s : s + step] for s in range(0, arr.size, step)]
         parities = [self._next_parity() for _ in chunks]
         for j in range(len(chunks) + 1):
@@ -297,3 +306,50 @@ class ShmEngine:
                 np.copyto(c, self._slot(root, parities[j - 1], dt, c.size))
             if j < len(chunks):
                 self.barrier()
+
+    def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """Every node rank's 1-D contiguous `send` into `recv`, in node-rank order
+        (recv.size = size × send.size, same dtype), pipelined by chunk.
+
+        Phase j: every rank writes chunk j of its `send` into its own slot (parity j)
+        while it reads chunk j-1 of the others' slots (parity j-1), so no slot is written
+        while another rank may read it (the rule of `_rsag`).
+        """
+        self._run(self._allgather, send, recv)
+
+    def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        m, me, dt = send.size, self.rank, send.dtype
+        if m == 0:
+            return
+        step = self.chunk_bytes // dt.itemsize
+        typed = self._typed_slots(dt)
+        others = [r for r in range(self.size) if r != me]
+        if m <= step:  # one chunk (small messages): one barrier, no lists
+            parity = self._next_parity()
+            np.copyto(typed[me][parity][:m], send)
+            np.copyto(recv[me * m : (me + 1) * m], send)
+            self.barrier()
+            for r in others:
+                np.copyto(recv[r * m : (r + 1) * m], typed[r][parity][:m])
+            return
+        starts = list(range(0, m, step))
+        parities = [self._next_parity() for _ in starts]
+
+        def copy_out(k: int) -> None:
+            s = starts[k]
+            c = min(step, m - s)
+            for r in others:
+                np.copyto(recv[r * m + s : r * m + s + c], typed[r][parities[k]][:c])
+
+        for j, s in enumerate(starts):
+            if j > 0:
+                copy_out(j - 1)
+            chunk = send[s : s + step]
+            np.copyto(typed[me][parities[j]][: chunk.size], chunk)
+            np.copyto(recv[me * m + s : me * m + s + chunk.size], chunk)
+            self.barrier()
+        copy_out(len(starts) - 1)
+
+    def sync(self) -> None:
+        """A barrier of the node's ranks (one flag each; interruptible like the rest)."""
+        self._run(self.barrier)

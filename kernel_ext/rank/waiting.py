@@ -35,7 +35,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
 from typing import Any
 
 from . import agent as agent_mod
@@ -152,39 +152,15 @@ def acting_for_main() -> bool:
             or getattr(_local, "for_main", False))
 
 
-def collective(op: str, nbytes: int = 0, shape: str = "") -> AbstractContextManager[int]:
+def collective(op: str, nbytes: int = 0, shape: str | tuple = "") -> agent_mod.Collective:
     """The agent's ``collective`` (heartbeats carry it, a span records it), numbered on
     the main thread and inside for_main_thread() on any other.
 
     The main thread is then blocked on this one, so no collective of its own can
     interleave with the numbering.
     """
-    agent = agent_mod.current()
-    if not getattr(_local, "for_main", False):
-        return agent.collective(op, nbytes, shape)
-    return _numbered_for_main(agent, op, nbytes, shape)
-
-
-@contextmanager
-def _numbered_for_main(agent: agent_mod.Agent, op: str, nbytes: int,
-                       shape: str) -> Iterator[int]:
-    """What the agent does for a collective of the main thread, on this one."""
-    st = agent.state
-    start = time.time()
-    previous = st.phase
-    st.seq += 1
-    st.op, st.op_nbytes, st.op_shape = op, nbytes, shape
-    st.op_started = start
-    st.phase = "collective"
-    st.recent.append((st.seq, op, nbytes))
-    try:
-        yield st.seq
-    finally:
-        end = time.time()
-        st.phase = previous
-        st.op = ""
-        agent.emit("span", name=op, cat="comm", ts=start, dur=end - start,
-                   nbytes=nbytes, seq=st.seq, t=end)
+    return agent_mod.current().collective(
+        op, nbytes, shape, True if getattr(_local, "for_main", False) else None)
 
 
 # ----------------------------------------------------------- SIGINT while in backward
