@@ -188,6 +188,9 @@ class RankCluster:
             engine_timeout=int(cfg.timeout),
             log=_quiet_log(),
             shutdown_atexit=False,  # our Session.shutdown ends everything, by pid, fast
+            # no cluster file: ipyparallel's JupyterLab panel lists clusters from those,
+            # and its STOP button would end the ranks behind mpilab's back
+            cluster_file="",
         )
         # the controller and every engine hold this kernel's lifeline and end themselves
         # when it is gone (killed, crashed, unreachable), on whichever host they run

@@ -343,3 +343,30 @@ def test_bench_shows_its_progress_and_names_a_skipped_backend_once(lab):
                   if "application/vnd.plotly.v1+json" in o["content"].get("data", {}))
     assert "nccl" not in json.dumps(figure["layout"])
     assert {t["name"] for t in figure["data"]} >= {"mpi"}
+
+
+def test_rank_tracebacks_name_the_notebooks_cell_number(lab):
+    """The ranks' own execution counts differ from the notebook's (cells run in the
+    notebook only, cells on some ranks): a traceback names the notebook's In[n]."""
+    for _ in range(3):
+        assert lab.run("x = 1").ok
+    # IPython counts a cell before running it: this prints the number of the next cell
+    n = int(lab.run("print(get_ipython().execution_count)").stdout)
+    run = lab.run("%%ranks\ndef f():\n    raise ValueError('boom')\nf()")
+    assert f"Cell In[{n}], line 3, in <module>" in run.error_text, run.error_text
+    assert f"Cell In[{n}], line 2, in f" in run.error_text, run.error_text
+    run = lab.run("%%ranks 1\nprint(1 +)")
+    assert f"Cell In[{n + 1}], line 1" in run.error_text, run.error_text
+
+
+def test_ipyparallels_jupyterlab_panel_does_not_list_mpilabs_cluster(lab):
+    """ipyparallel's panel lists the clusters whose files it finds in the IPython
+    profiles, with a STOP button that would end the ranks behind mpilab's back."""
+    import ipyparallel as ipp
+
+    run = lab.run("from mpilab.session import Session\n"
+                  "print(Session.instance().cluster._ipp_cluster.cluster_id)")
+    cluster_id = run.stdout.strip()
+    assert cluster_id, run.text
+    listed = {c.cluster_id for c in ipp.ClusterManager().load_clusters().values()}
+    assert cluster_id not in listed

@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import linecache
 import os
+import re
 import signal
-import threading
 import traceback
 
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
 
 
 def preload() -> None:
-    """Import torch in the background while the engine registers (start-up overlap)."""
-    import importlib
+    """Import torch and warm up a first training step in the background while the
+    engine registers (start-up overlap; mpilab.rank.warmup)."""
+    from . import warmup
 
-    threading.Thread(target=importlib.import_module, args=("torch.distributed",),
-                     daemon=True, name="mpilab-preload").start()
+    warmup.start_background()
 
 
 def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float) -> dict:
@@ -30,10 +30,12 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     from IPython import get_ipython
 
     from . import agent as agent_mod
+    from . import warmup
     from .bootstrap import init
     from .torchrun import install_shell
 
     ctx = init(gpus=gpus, backend=backend, agent_address=agent_address, timeout=timeout)
+    warmup.finish(ctx.device)  # the warm-up preload() began: done before the first cell
     import torch.distributed as dist
 
     shell = get_ipython()
@@ -54,7 +56,12 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         # waits of every thread (a DataParallel comm thread must stop waiting too)
         signal.signal(signal.SIGINT, _interrupt)
         # a cell may have waited here behind a --noblock one: its records start now
-        state.request = shell.kernel.get_parent().get("header", {}).get("msg_id", "")
+        parent = shell.kernel.get_parent()
+        state.request = parent.get("header", {}).get("msg_id", "")
+        # the notebook's In[n] for this cell (its request's label): tracebacks name it
+        label = _CELL_LABEL.fullmatch(parent.get("metadata", {}).get("label") or "")
+        if label:  # IPython counted this cell before running it
+            _notebook_count[shell.execution_count - 1] = int(label.group(1))
         agent.emit("event", what="cell-start", cell=state.cell, msg=state.request)
         agent.flush()  # at once: stopping a queued cell asks which ranks began it
 
@@ -88,10 +95,14 @@ def _is_hidden(filename: str) -> bool:
     return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
 
 
+_CELL_LABEL = re.compile(r"mpilab:In\[(\d+)\]")  # mpilab.runner.CELL_LABEL
+_notebook_count: dict[int, int] = {}  # this engine's execution count -> the notebook's
+
+
 def _frame_label(shell, filename: str) -> str:
     count = getattr(shell.compile, "_filename_map", {}).get(filename)
     if count is not None:
-        return f"Cell In[{count}]"
+        return f"Cell In[{_notebook_count.get(count, count)}]"
     return f'File "{filename}"'
 
 
