@@ -98,7 +98,11 @@ class Kernel:
             elif kind in ("stream", "display_data", "execute_result", "error",
                           "update_display_data", "clear_output"):
                 run.outputs.append({"type": kind, "content": msg["content"], "t": time.time()})
-        run.reply = self.kc.get_shell_msg(timeout=30)["content"]
+        while True:  # this cell's reply (an earlier cell's, left unread, is skipped)
+            reply = self.kc.get_shell_msg(timeout=30)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        run.reply = reply["content"]
         run.finished = time.time()
         return run
 
