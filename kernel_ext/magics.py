@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .cluster import ClusterConfig, ClusterError
 from .placement import SlurmSettings
+from .rank.bootstrap import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .runner import RunOptions, parse_ranks
 from .session import Session
 
@@ -134,6 +135,9 @@ class MpilabMagics(Magics):
               help="the mpiexec to use (default: the one beside this Python, else PATH's)")
     @argument("--timeout", type=float, default=120.0, metavar="S",
               help="seconds to wait for the ranks to be ready (default 120)")
+    @argument("--collective-timeout", type=float, default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+              metavar="S", help="seconds torch.distributed's own collectives may wait before "
+              "torch gives up on them (default 1800; the watchdog releases hung ranks first)")
     @argument("--hang-timeout", type=float, default=None, metavar="S",
               help="seconds a collective may wait before the ranks are released (default "
                    "30); %%%%ranks --hang-timeout sets it for one cell")
@@ -150,7 +154,8 @@ class MpilabMagics(Magics):
         config = ClusterConfig(n=args.n, gpus=args.gpus, backend=args.backend,
                                launcher=args.launcher, hostfile=args.hostfile,
                                controller_ip=args.controller_ip, mpiexec=args.mpiexec,
-                               timeout=args.timeout, slurm=slurm)
+                               timeout=args.timeout,
+                               collective_timeout=args.collective_timeout, slurm=slurm)
         if args.hang_timeout is not None:
             if args.hang_timeout <= 0:
                 raise UsageError("--hang-timeout must be a positive number of seconds")

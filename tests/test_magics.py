@@ -29,6 +29,9 @@ from conftest import cluster_pids
      "--mpiexec /nonexistent/mpiexec: not an executable mpiexec"),
     ("%mpilab pull x", "no ranks are running"),
     ("%mpilab restart", "nothing to restart"),
+    ("%mpilab start --collective-timeout 0", "--collective-timeout must be positive, got 0.0"),
+    ("%mpilab start --partition gpu", "--partition is a Slurm setting: add --launcher slurm"),
+    ("%mpilab start --hostfile /nonexistent/hosts", "--hostfile /nonexistent/hosts: no such file"),
 ])
 def test_bad_input_before_start_is_one_line(fresh_kernel, code, message):
     run = fresh_kernel.run(code)
