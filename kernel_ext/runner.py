@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import re
 import sys
@@ -27,6 +28,7 @@ INTERRUPT_GRACE_S = 3.0
 ABORT_SETTLE_S = 0.3  # a rank may begin a cell just as it is taken off the queue: watch
 OUTPUT_TRAIL_S = 5.0
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
+RECENT_RUNS = 64  # cells remembered for `%mpilab dashboard` (the newest with metrics)
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -215,6 +217,14 @@ def _default_write(stream: str, text: str) -> None:
     target.flush()
 
 
+@dataclass
+class RecentRun:
+    """A cell run on the ranks: which notebook cell, and the window of its records."""
+
+    label: str | None  # "In[n]" as the notebook shows it; None outside IPython
+    cell: CellWindow
+
+
 class CellRunner:
     """Executes cells on a RankCluster and relays what the ranks produce."""
 
@@ -223,23 +233,27 @@ class CellRunner:
         self.write = write
         self.background: list[threading.Thread] = []
         self.last_views: LiveViews | None = None
+        # newest last: `%mpilab dashboard` shows the newest one that has metrics, as most
+        # cells (a print, a push) have none
+        self.recent_runs: collections.deque[RecentRun] = collections.deque(maxlen=RECENT_RUNS)
 
     def run(self, code: str, options: RunOptions | None = None) -> CellOutcome | None:
         options = options or RunOptions()
         self.cluster.check_usable()
         ranks = parse_ranks(options.spec, self.cluster.world_size)
         engines = self.cluster.engines(ranks)
+        label = cell_label()
         try:
             # the notebook's In[n] travels with the cell, so that the ranks' tracebacks
             # say "Cell In[n]" with the number the notebook shows (mpilab.rank.engine)
             ar = self.cluster.client[engines].execute(code, silent=False, block=False,
-                                                      label=cell_label())
+                                                      label=label)
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
             raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
                                "brings back a full cluster") from None
         outcome = CellOutcome(ranks=ranks)
         if options.block:
-            self._relay(ar, ranks, options, outcome)
+            self._relay(ar, ranks, options, outcome, label)
             self._report(outcome, options)
             return outcome
         # --noblock: relay on a thread that carries this cell's context, so its output
@@ -247,7 +261,7 @@ class CellRunner:
         context = contextvars.copy_context()
 
         def relay_in_background():
-            self._relay(ar, ranks, options, outcome)
+            self._relay(ar, ranks, options, outcome, label)
             try:
                 self._report(outcome, options)
             except RanksError as e:
@@ -259,7 +273,8 @@ class CellRunner:
         self.background.append(thread)
         return None
 
-    def _relay(self, ar, ranks: list[int], options: RunOptions, outcome: CellOutcome) -> None:
+    def _relay(self, ar, ranks: list[int], options: RunOptions, outcome: CellOutcome,
+               label: str | None = None) -> None:
         # the result's own metadata: the client forgets it once the output is complete
         metadata = ar.metadata if isinstance(ar.metadata, list) else [ar.metadata]
         md_of_rank = dict(zip(ranks, metadata))
@@ -272,6 +287,8 @@ class CellRunner:
         views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard,
                           dict(zip(ranks, ar.msg_ids)))
         self.last_views = views
+        self.recent_runs.append(RecentRun(
+            label.removeprefix(CELL_LABEL.split("{")[0]) if label else None, views.cell))
         deadline = None  # --timeout counts from when the ranks begin the cell
 
         def pump(final: bool = False) -> None:

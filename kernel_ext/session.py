@@ -180,19 +180,17 @@ class Session:
         display(figure_bundle(bench_figure(rows, ceiling, notes=False)), raw=True)
 
     def show_dashboard(self) -> None:
-        """The dashboard of the latest run. It follows the run's records until they
-        stop for a minute (a later run has its own under its cell)."""
+        """The dashboard of the latest run that has metrics (most cells, a print or a
+        push, have none), naming its cell. It follows the run's records until they stop
+        for a minute (a later run has its own under its cell)."""
         import threading
         import time
 
         from IPython.display import display
-        from mpilab.widgets import Dashboard
 
         store = self._store()
-        views = self.runner.last_views
-        dash = Dashboard(store, self.cluster.world_size,
-                         cell=views.cell if views is not None else None)
-        if not dash.has_data():
+        dash = latest_dashboard(list(self.runner.recent_runs), store, self.cluster.world_size)
+        if dash is None:
             raise ClusterError("no training metrics yet: run a cell that uses "
                                "mpilab.DataParallel or mpilab.log(...)")
         display(dash.mimebundle(), raw=True)  # from now on it follows the store
@@ -219,6 +217,23 @@ class Session:
         table = StatusTable(rank_info, self.cluster.store)
         table.start()
         display(table)
+
+
+def latest_dashboard(runs: list, store, world_size: int):
+    """A Dashboard of the newest of `runs` (RecentRun, oldest first) that sent step or
+    log records, titled with its cell; or of every record when no run is known (ranks
+    driven from plain Python); None when there are no metrics at all."""
+    from mpilab.widgets import Dashboard
+
+    for run in reversed(runs):
+        dash = Dashboard(store, world_size, cell=run.cell, source=run.label)
+        if dash.has_data():
+            return dash
+    if not runs:
+        dash = Dashboard(store, world_size)
+        if dash.has_data():
+            return dash
+    return None
 
 
 def _warm_widgets(world_size: int):

@@ -368,6 +368,25 @@ def test_dashboard_refresh_from_a_thread():
     assert done == [True] and len(dash.widget.to_figure().data[0].x) == 4
 
 
+def test_dashboard_command_shows_the_latest_run_with_metrics_and_names_its_cell():
+    from mpilab.channel import CellWindow
+    from mpilab.runner import RecentRun
+    from mpilab.session import latest_dashboard
+
+    store = filled_store(steps=20)  # records at T0 .. T0+19
+    training = RecentRun("In[3]", CellWindow(T0 - 1))
+    printing = RecentRun("In[4]", CellWindow(T0 + 100))  # a later cell with no metrics
+    dash = latest_dashboard([training, printing], store, 2)
+    assert dash is not None and dash.source == "In[3]"
+    assert "from In[3]" in dash.mimebundle(final=True)["text/plain"]
+    assert "from In[3]" in dash.static_figure().layout.title.text
+    later = RecentRun("In[5]", CellWindow(T0 + 10))  # a later run that has metrics wins
+    assert latest_dashboard([training, printing, later], store, 2).source == "In[5]"
+    assert latest_dashboard([printing], store, 2) is None
+    assert latest_dashboard([], store, 2).source is None  # no cells: every record
+    assert latest_dashboard([], MetricsStore(world_size=2), 2) is None
+
+
 # -- status ------------------------------------------------------------------------------
 RANK_INFO = [{"rank": r, "host": "node1", "pid": 100 + r, "device": "cpu", "backend": "gloo"}
              for r in range(3)]

@@ -205,15 +205,17 @@ class Dashboard:
     """Live plots of a training run, read from a MetricsStore.
 
     `since` (epoch seconds) hides the records of earlier runs; a `cell` window shows
-    one cell's records (it may have waited behind a --noblock one). Display it with
+    one cell's records (it may have waited behind a --noblock one); `source` names
+    that cell ("In[5]") in the title and the summary. Display it with
     `display(dash.mimebundle(), raw=True)` or just `dash` in a cell.
     """
 
     clock: Callable[[], float] = staticmethod(time.monotonic)
 
     def __init__(self, store, world_size: int, since: float = 0.0,
-                 cell: CellWindow | None = None):
+                 cell: CellWindow | None = None, source: str | None = None):
         self.store = store
+        self.source = source
         self.world_size = world_size
         self.cell = cell or CellWindow(since)
         self.redraws = 0
@@ -358,6 +360,8 @@ class Dashboard:
             base = _BASE_FIGURES[self.world_size] = json.loads(
                 pio.to_json(self._build_base_figure(), validate=False))
         figure = copy.deepcopy(base)
+        if self.source:
+            figure["layout"]["title"]["text"] += f", from {self.source}"
         for name in scalars:
             # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
             # figure has no subplot grid to look rows and columns up in)
@@ -456,4 +460,4 @@ class Dashboard:
         if len(snap.total[1]):
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
-        return ", ".join(parts)
+        return ", ".join(parts) + (f" (from {self.source})" if self.source else "")
