@@ -20,12 +20,8 @@ from pathlib import Path
 from . import lifeline, placement
 from .channel import MetricsStore, RecordReceiver
 from .placement import ClusterError
-from .rank.bootstrap import (
-    COLLECTIVE_TIMEOUT_ENV,
-    DEFAULT_COLLECTIVE_TIMEOUT_S,
-    BootstrapError,
-    gpu_spec,
-)
+from .rank.bootstrap import BootstrapError, gpu_spec
+from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports
 
 LAUNCHERS = ("mpi", "slurm")
 
@@ -198,8 +194,9 @@ class RankCluster:
         os.environ[COLLECTIVE_TIMEOUT_ENV] = str(cfg.collective_timeout)
         cluster.config.LocalControllerLauncher.controller_cmd = [
             sys.executable, "-m", "mpilab.controller_main"]
-        # engines start importing torch while they register (mpilab.rank.engine_main)
-        engine_cmd = [sys.executable, "-m", "mpilab.rank.engine_main"]
+        # each engine runs under its supervisor (mpilab.rank.supervisor), and starts
+        # importing torch while it registers
+        engine_cmd = [sys.executable, "-m", "mpilab.rank.supervisor"]
         for launcher in ("MPIEngineSetLauncher", "SlurmEngineSetLauncher"):
             cluster.config[launcher].engine_cmd = engine_cmd
         if batch:
@@ -532,23 +529,26 @@ def _quiet_log() -> logging.Logger:
     return log
 
 
-# the lines of a launcher's output that say why, most telling first
-_TELLING = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
-            re.compile(r"(Permission denied|Could not resolve|No route to host|Connection "
-                       r"refused|Connection timed out|Host key verification failed)"),
-            re.compile(r"mpilab-engine-exit .* did not start: "),
-            re.compile(r"\b(error|Error|ERROR)\b"))
+# the lines of a launcher's output that say why, most telling first: the tools' own
+# words, then a supervisor's report that its engine could not start, then any error
+_TOOLS_SAID = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
+               re.compile(r"(Permission denied|Could not resolve|No route to host|Connection "
+                          r"refused|Connection timed out|Host key verification failed)"))
+_ANY_ERROR = re.compile(r"\b(error|Error|ERROR)\b")
+_NOT_STARTED = "did not start: "
 
 
 def telling_line(output: str) -> str | None:
     """The line of a launcher's output that says why it failed (None: nothing does)."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
-    for pattern in _TELLING:
+    for pattern in _TOOLS_SAID:
         for line in lines:
             if pattern.search(line):
-                return line.split(" did not start: ", 1)[-1] if "mpilab-engine-exit" in line \
-                    else line
-    return None
+                return line
+    for report in exit_reports(output):
+        if report.cause.startswith(_NOT_STARTED):
+            return report.cause[len(_NOT_STARTED):]
+    return next((line for line in lines if _ANY_ERROR.search(line)), None)
 
 
 def check_one_world(summaries: list[dict], n: int) -> None:

@@ -12,9 +12,9 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .cluster import ClusterConfig, ClusterError
 from .placement import SlurmSettings
-from .rank.bootstrap import DEFAULT_COLLECTIVE_TIMEOUT_S
 from .runner import RunOptions, parse_ranks
 from .session import Session
+from .wire import DEFAULT_COLLECTIVE_TIMEOUT_S
 
 # each subcommand, what it does in one line (`%mpilab?` and `%mpilab help` list them)
 SUMMARIES = {

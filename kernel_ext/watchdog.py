@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from .channel import CellWindow
+from .wire import exit_reports
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
@@ -76,7 +77,6 @@ def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
     return None
 
 
-_ENGINE_EXIT = re.compile(r"mpilab-engine-exit host=(?P<host>\S+) pid=(?P<pid>\d+) (?P<cause>.+)")
 # a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
 # dist.all_reduce(…), node_comm.Barrier(); mpilab's own collectives report themselves
 _DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
@@ -84,10 +84,10 @@ _DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
 
 def death_cause(host: str, pid: int, launcher_output: str) -> str:
     """'killed by signal 9 (SIGKILL)' / 'exited with code 3', as the supervisor of the
-    rank with this pid on this host (mpilab.rank.engine_main) reported it."""
-    for m in _ENGINE_EXIT.finditer(launcher_output):
-        if int(m.group("pid")) == pid and m.group("host") == host:
-            return m.group("cause").strip()
+    rank with this pid on this host reported it (mpilab.wire's exit report)."""
+    for report in exit_reports(launcher_output):
+        if report.pid == pid and report.host == host:
+            return report.cause
     return UNKNOWN_CAUSE
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S
 from . import agent as agent_mod
 from .endpoint import Endpoint, shared_endpoint
 
@@ -107,10 +108,6 @@ def choose_backend(requested: str, device_type: str) -> str:
     if requested == "nccl" and device_type != "cuda":
         raise BootstrapError("backend nccl needs GPUs; use --backend gloo on CPU ranks")
     return requested
-
-
-DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
-COLLECTIVE_TIMEOUT_ENV = "MPILAB_COLLECTIVE_TIMEOUT"  # what `%mpilab start` was given
 
 
 def init(

@@ -1,4 +1,4 @@
-"""Entry point of a rank's engine process: `python -m mpilab.rank.engine_main --mpi …`.
+"""A rank's supervisor, the launcher's entry point: `python -m mpilab.rank.supervisor --mpi …`.
 
 mpiexec (or srun) starts this on the rank's host as a small supervisor that runs the
 real engine as its child and waits for it, ending it when the notebook is gone: it holds
@@ -20,15 +20,15 @@ import sys
 import time
 
 from mpilab import lifeline
+from mpilab.wire import exit_report
 
-REPORT_PREFIX = "mpilab-engine-exit"
 WATCH_INTERVAL_S = 0.25
 _CHILD_FLAG = "--mpilab-engine-child"
 
 
-def report(pid: int | str, cause: str) -> str:
-    """The line the notebook's watchdog reads: host and pid name the rank on any host."""
-    return f"{REPORT_PREFIX} host={socket.gethostname()} pid={pid} {cause}"
+def report(pid: int | None, cause: str) -> str:
+    """The line the notebook's watchdog reads from the launcher's output."""
+    return exit_report(pid, cause).line()
 
 
 def _die_with_parent() -> None:
@@ -122,7 +122,7 @@ def supervise(argv: list[str]) -> int:
     try:
         held = lifeline.hold()
     except lifeline.LifelineLost as e:
-        print(report("-", f"did not start: {e}"), file=sys.stderr, flush=True)
+        print(report(None, f"did not start: {e}"), file=sys.stderr, flush=True)
         return 1
     close_inherited_listeners()
     devices = mpi_net_devices(os.environ.get(lifeline.ENV))
@@ -132,7 +132,7 @@ def supervise(argv: list[str]) -> int:
     if child == 0:
         if held is not None:
             os.close(held.fileno())
-        os.execv(sys.executable, [sys.executable, "-m", "mpilab.rank.engine_main",
+        os.execv(sys.executable, [sys.executable, "-m", "mpilab.rank.supervisor",
                                   _CHILD_FLAG, *argv])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, lambda signum, frame: os.kill(child, signum))
