@@ -387,6 +387,58 @@ def test_dashboard_command_shows_the_latest_run_with_metrics_and_names_its_cell(
     assert latest_dashboard([], MetricsStore(world_size=2), 2) is None
 
 
+def test_log_only_cell_plots_scalars_against_their_count_in_one_panel():
+    """A cell that only calls mpilab.log after a training run logs every value at the
+    step where that run stopped: the values are plotted against their count, and only
+    the panel that has something to show is drawn."""
+    store = MetricsStore(world_size=2)
+    for i in range(30):
+        for r in range(2):
+            record = log_record(r, 300, loss=24.0 - i + r)
+            record["t"] = T0 + i
+            store.add(record)
+    dash = Dashboard(store, world_size=2)
+    assert dash.refresh()
+    fig = dash.widget.to_figure()
+    loss = next(t for t in fig.data if t.name == "loss")
+    assert list(loss.x) == list(range(1, 31)) and loss.y[0] == pytest.approx(24.5)
+    layout = fig.layout
+    assert "without training steps" in layout.xaxis3.title.text
+    assert list(layout.xaxis3.domain) == [0, 1] and layout.height < 640
+    for axis in ("xaxis", "yaxis", "xaxis2", "yaxis2", "xaxis4", "yaxis4", "yaxis5"):
+        assert layout[axis].visible is False, axis
+    shown_titles = [a.text for a in layout.annotations if a.visible is not False]
+    assert shown_titles == ["Loss and logged scalars"]
+    assert [t.name for t in fig.data if t.showlegend is not False] == ["loss"]
+    static = dash.static_figure()
+    assert static.layout.xaxis.visible is False and static.layout.xaxis3.visible is not False
+    # steps the user gave (increasing) stay the x axis
+    store = MetricsStore(world_size=1)
+    for i in range(5):
+        store.add(log_record(0, 10 * i, acc=i / 5))
+    given = Dashboard(store, world_size=1).static_figure()
+    assert list(next(t for t in given.data if t.name == "acc").x) == [0, 10, 20, 30, 40]
+    assert given.layout.xaxis3.title.text != "value # (logged without training steps)"
+
+
+def test_a_training_run_draws_every_panel_that_has_data():
+    fig = Dashboard(filled_store(steps=20), world_size=2).static_figure()
+    assert all(fig.layout[a].visible is not False for a in ("xaxis", "xaxis2", "xaxis3",
+                                                              "xaxis4"))
+    store = MetricsStore(world_size=1)  # one rank, no loss: nothing communicated or logged
+    for step in range(10):
+        store.add(step_record(0, step, comm=0.0, nbytes=0))
+    dash = Dashboard(store, world_size=1)
+    dash.refresh()
+    layout = dash.widget.to_figure().layout
+    assert layout.xaxis3.visible is False and layout.xaxis4.visible is False
+    assert layout.xaxis.domain[1] < layout.xaxis2.domain[0]  # side by side, one row
+    store.add(log_record(0, 10, loss=1.0))  # a panel appears once it has data
+    dash.refresh(force=True)
+    layout = dash.widget.to_figure().layout
+    assert layout.xaxis3.visible is not False and layout.height == 640
+
+
 # -- status ------------------------------------------------------------------------------
 RANK_INFO = [{"rank": r, "host": "node1", "pid": 100 + r, "device": "cpu", "backend": "gloo"}
              for r in range(3)]

@@ -43,6 +43,11 @@ SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # with backward); the stack is the step time, and a straggler's peers wait longest.
 SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
 Series = tuple[np.ndarray, np.ndarray]
+# the panels, in the order of the 2x2 grid: (x axis, y axis) and the subplot title's index
+PANELS = ("throughput", "split", "scalars", "bandwidth")
+_PANEL_AXES = {"throughput": ("xaxis", "yaxis"), "split": ("xaxis2", "yaxis2"),
+               "scalars": ("xaxis3", "yaxis3"), "bandwidth": ("xaxis4", "yaxis4")}
+FULL_HEIGHT, ROW_HEIGHT = 640, 380  # px: two rows of panels, or one
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 # world size -> widgets whose run ended (no output shows them any more), for reuse
 _SPARE_WIDGETS: dict[int, list[LivePlot]] = defaultdict(list)
@@ -105,6 +110,12 @@ class _RunLog:
         self.total = GrowingSeries()
         self._pending: dict[float, dict[int, float]] = {}  # step -> rank -> samples/s
         self.scalars: dict[str, GrowingSeries] = {}  # name -> mean over ranks per step
+        # the same scalars against how many values of each a rank has logged (mean over
+        # ranks per count): a cell that logs without training steps logs every value at
+        # one step (the rank's step counter stays where the last training left it)
+        self.counted: dict[str, GrowingSeries] = {}
+        self._logged: dict[tuple[int, str], tuple[int, float]] = {}  # -> (count, last step)
+        self._steps_repeat = False  # a rank logged a scalar twice at a step (or went back)
         self.last_step: int | None = None
         self._lock = threading.Lock()
 
@@ -127,8 +138,14 @@ class _RunLog:
                 total=self.total.downsampled(),
                 split={r: steps.split() for r, steps in self.ranks.items()},
                 bandwidth={r: steps.bandwidth.downsampled() for r, steps in self.ranks.items()},
-                scalars={name: series.downsampled() for name, series in self.scalars.items()},
+                scalars={name: series.downsampled() for name, series in self.by().items()},
+                scalars_by="count" if self.by() is self.counted else "step",
                 last_step=self.last_step)
+
+    def by(self) -> dict[str, GrowingSeries]:
+        """The scalars against their step, or against their count when the run has no
+        training steps and its steps do not tell the values apart."""
+        return self.counted if self._steps_repeat and not self.ranks else self.scalars
 
     def _add_steps(self, rank: int, rows: np.ndarray) -> None:
         steps = self.ranks.get(rank)
@@ -163,30 +180,88 @@ class _RunLog:
                                               steps.throughput.y.tolist())))
 
     def _add_logs(self, logs: list[tuple[int, tuple, np.ndarray]]) -> int:
-        """A scalar's point at a step is the mean of the values the ranks logged there."""
-        by_name: dict[str, list[np.ndarray]] = defaultdict(list)  # (step, value) rows
-        for _, (name,), rows in logs:
-            by_name[name].append(rows[:, _LOG_INDEX])
+        """A scalar's point at a step (or count) is the mean of the values the ranks
+        logged there."""
+        by_step: dict[str, list[np.ndarray]] = defaultdict(list)  # (step, value) rows
+        by_count: dict[str, list[np.ndarray]] = defaultdict(list)  # (count, value) rows
+        for rank, (name,), rows in logs:
+            steps, values = rows[:, _LOG_INDEX].T
+            by_step[name].append(np.column_stack([steps, values]))
+            count, last = self._logged.get((rank, name), (0, -np.inf))
+            if len(steps) and (steps[0] <= last or np.any(np.diff(steps) <= 0)):
+                self._steps_repeat = True
+            self._logged[(rank, name)] = (count + len(steps), steps[-1] if len(steps) else last)
+            counts = np.arange(count + 1, count + len(steps) + 1, dtype=float)
+            by_count[name].append(np.column_stack([counts, values]))
         taken = 0
-        for name, parts in by_name.items():
-            steps, values = np.concatenate(parts).T
-            taken += len(steps)
-            steps, index = np.unique(steps, return_inverse=True)
-            totals, counts = np.bincount(index, weights=values), np.bincount(index)
-            series = self.scalars.get(name)
-            if series is None:
-                series = self.scalars[name] = GrowingSeries()
-            last = series.x[-1] if series.n else -np.inf
-            late = steps <= last  # a rank's late value for a step already drawn
-            for step, total, count in zip(steps[late], totals[late], counts[late]):
-                series.average_in(step, total, count)
-            new = ~late
-            series.extend(steps[new], totals[new] / counts[new], counts[new])
-            self._saw(int(steps[-1]))
+        for name, parts in by_step.items():
+            rows = np.concatenate(parts)
+            taken += len(rows)
+            _average_into(self.scalars, name, rows)
+            self._saw(int(rows[:, 0].max()))
+        for name, parts in by_count.items():
+            _average_into(self.counted, name, np.concatenate(parts))
         return taken
 
     def _saw(self, step: int) -> None:
         self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+
+def _panels_with_data(snap: _Snapshot) -> tuple[str, ...]:
+    """The panels that have something to show, in PANELS order."""
+    has = {"throughput": any(len(x) for x, _ in snap.throughput.values()),
+           "split": bool(snap.split),
+           "scalars": any(len(x) for x, _ in snap.scalars.values()),
+           "bandwidth": any(len(x) for x, _ in snap.bandwidth.values())}
+    return tuple(p for p in PANELS if has[p])
+
+
+def _arrange(figure: dict, panels: tuple[str, ...], world_size: int, comm_axis: bool) -> None:
+    """Lay out the 2x2 dashboard (plotly JSON, in place) with only `panels`: the others'
+    axes, titles and legend entries go; one or two panels share one shorter row, three
+    or four keep the grid (a missing one leaves its place empty)."""
+    layout = figure["layout"]
+    hidden = [p for p in PANELS if p not in panels]
+    titles = layout.get("annotations", [])[:len(PANELS)]  # the subplot titles, in order
+    row = len(panels) <= 2
+    if row:
+        layout["height"] = ROW_HEIGHT
+        width = 1.0 if len(panels) == 1 else 0.45
+        for i, panel in enumerate(panels):
+            x_axis, y_axis = _PANEL_AXES[panel]
+            left = i * (1 - width) if len(panels) == 2 else 0.0
+            layout[x_axis]["domain"] = [left, left + width]
+            layout[y_axis]["domain"] = [0.0, 1.0]
+            title = titles[PANELS.index(panel)]
+            title["x"], title["y"] = left + width / 2, 1.0
+    for panel in hidden:
+        for axis in _PANEL_AXES[panel]:
+            layout[axis]["visible"] = False
+        titles[PANELS.index(panel)]["visible"] = False
+    if "scalars" in hidden or not comm_axis:
+        layout["yaxis5"]["visible"] = False
+    if "throughput" in hidden:  # its rank traces carry the ranks' legend entries
+        for trace in figure["data"][:world_size + 1]:
+            trace["showlegend"] = False
+    if "split" in hidden:
+        for trace in figure["data"][world_size + 1:world_size + 1 + len(SPLIT_PARTS)]:
+            trace["showlegend"] = False
+
+
+def _average_into(series_of: dict[str, GrowingSeries], name: str, rows: np.ndarray) -> None:
+    """(x, value) rows into the series `name`: the mean of the values at each x."""
+    xs, values = rows.T
+    xs, index = np.unique(xs, return_inverse=True)
+    totals, counts = np.bincount(index, weights=values), np.bincount(index)
+    series = series_of.get(name)
+    if series is None:
+        series = series_of[name] = GrowingSeries()
+    last = series.x[-1] if series.n else -np.inf
+    late = xs <= last  # a rank's late value for a point already drawn
+    for x, total, count in zip(xs[late], totals[late], counts[late]):
+        series.average_in(x, total, count)
+    new = ~late
+    series.extend(xs[new], totals[new] / counts[new], counts[new])
 
 
 @dataclass
@@ -198,6 +273,7 @@ class _Snapshot:
     split: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute, comm wait
     bandwidth: dict[int, Series] = field(default_factory=dict)
     scalars: dict[str, Series] = field(default_factory=dict)
+    scalars_by: str = "step"  # or "count": logged without training steps
     last_step: int | None = None
 
 
@@ -227,6 +303,8 @@ class Dashboard:
         self._has_data = False
         self._checked_version = -1
         self._shown_scalars: list[str] = []  # the logged scalars the widget has traces for
+        self._shown_layout: tuple = ()  # (panels, scalars_by) the widget's figure has
+        self._panels: tuple[str, ...] = ()  # the panels that had data: they stay
         self._widget: LivePlot | None = None
         self._widget_lock = threading.Lock()
         self._ended = False
@@ -351,10 +429,12 @@ class Dashboard:
                 _SPARE_WIDGETS[self.world_size].append(widget)
 
     # -- building ---------------------------------------------------------------------------
-    def _figure_json(self, scalars: list[str]) -> dict:
-        """The empty dashboard as plotly JSON, with a trace per logged scalar. The base is
-        built (and validated by plotly, ~0.1 s) once per world size: a cell's first
-        display stays quick."""
+    def _figure_json(self, scalars: list[str], panels: tuple[str, ...] = PANELS,
+                     scalars_by: str = "step") -> dict:
+        """The empty dashboard as plotly JSON, with a trace per logged scalar, showing
+        only `panels` (the others have nothing to show). The base is built (and
+        validated by plotly, ~0.1 s) once per world size: a cell's first display stays
+        quick."""
         base = _BASE_FIGURES.get(self.world_size)
         if base is None:
             base = _BASE_FIGURES[self.world_size] = json.loads(
@@ -369,6 +449,11 @@ class Dashboard:
             figure["data"].append({"type": "scatter", "name": name, "mode": "lines",
                                    "xaxis": "x3", "yaxis": axis,
                                    "line": {"dash": "dot"} if axis == "y5" else {}})
+        _arrange(figure, panels, self.world_size,
+                 comm_axis=any(name in COMM_SCALARS for name in scalars))
+        if scalars_by == "count":  # logged without training steps
+            figure["layout"]["xaxis3"]["title"] = {
+                "text": "value # (logged without training steps)"}
         return figure
 
     def _build_base_figure(self) -> go.Figure:
@@ -413,7 +498,8 @@ class Dashboard:
         return fig
 
     def _static(self, snap: _Snapshot) -> go.Figure:
-        fig = go.Figure(self._figure_json(list(snap.scalars)), _validate=False)
+        fig = go.Figure(self._figure_json(list(snap.scalars), _panels_with_data(snap),
+                                          snap.scalars_by), _validate=False)
         traces = self._traces(snap, list(snap.scalars))
         # our arrays are clean float64: no per-property validation
         fig.plotly_restyle({"x": [x for x, _ in traces.values()],
@@ -423,10 +509,14 @@ class Dashboard:
     def _draw(self, widget: LivePlot, snap: _Snapshot) -> None:
         """Every trace's data in one message; the figure too when scalars were added."""
         scalars = list(snap.scalars)  # in order of first appearance: traces only grow
-        added = scalars != self._shown_scalars
-        self._shown_scalars = scalars
+        # a panel appears once it has data, and stays
+        self._panels = tuple(p for p in PANELS
+                             if p in self._panels or p in _panels_with_data(snap))
+        layout = (self._panels, snap.scalars_by)
+        added = scalars != self._shown_scalars or layout != self._shown_layout
+        self._shown_scalars, self._shown_layout = scalars, layout
         widget.show(self._traces(snap, scalars),
-                    figure=self._figure_json(scalars) if added else None)
+                    figure=self._figure_json(scalars, *layout) if added else None)
 
     def _traces(self, snap: _Snapshot, scalars: list[str]) -> dict[int, Series]:
         """Trace index -> (x, y) of every trace of the figure that `_figure_json(scalars)`
