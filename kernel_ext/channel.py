@@ -52,6 +52,14 @@ MAX_BATCH_RECORDS = 1000
 # one round until the socket has been quiet this long, and a round ends after at most:
 ROUND_QUIET_S = 0.01
 ROUND_MAX_S = 0.05
+# The tables' memory cap: MAX_STORE_ROWS rows kept in all, however many ranks (1,024
+# ranks' steps, loss and a kind of span: 3,072 tables of 325 rows), at most twice that
+# allocated, at most TABLE_BYTES_PER_ROW bytes a row (the widest table: steps' 7 columns
+# and the filing time): 128 MB. A table keeps at least MIN_TABLE_ROWS, so past
+# MAX_STORE_ROWS / MIN_TABLE_ROWS tables the cap grows with them (MetricsStore.table_cap).
+MAX_STORE_ROWS = 1_000_000
+MIN_TABLE_ROWS = 250
+TABLE_BYTES_PER_ROW = 8 * (1 + max(len(table.columns) for table in TABLES.values()))
 
 
 def validate(record, world_size: int) -> bool:
@@ -118,32 +126,64 @@ def _table_blocks(record: dict) -> list[tuple[str, tuple, np.ndarray]] | None:
         return None
 
 
+class _Budget:
+    """The rows each table of a store keeps: the store's row budget shared by its
+    tables, so its memory stays within a cap however many ranks and tables there are
+    (MetricsStore.max_rows)."""
+
+    def __init__(self, max_per_rank: int, max_rows: int):
+        self.max_per_rank = max_per_rank
+        self.max_rows = max_rows
+        self.tables = 0
+        self.limit = max_per_rank
+
+    def add_table(self) -> None:
+        self.tables += 1
+        self.limit = min(self.max_per_rank, max(MIN_TABLE_ROWS, self.max_rows // self.tables))
+
+
 class _Rows:
     """One table's rows from one rank and labels, with the time they were filed: the
-    newest `limit` count; a row's number counts from the table's first."""
+    newest `limit` (the store's budget says how many); a row's number counts from the
+    table's first. Its array holds at most 2 * limit rows."""
 
     serials = itertools.count()
 
-    def __init__(self, width: int, limit: int):
+    def __init__(self, width: int, budget: _Budget):
         self.data = np.empty((64, width + 1))  # the columns, then the filing time
         self.n = 0
         self.dropped = 0  # rows before data[0]
-        self.limit = limit
+        self.budget = budget
         self.serial = next(self.serials)  # readers' positions belong to one table
 
+    @property
+    def limit(self) -> int:
+        return self.budget.limit
+
     def append(self, rows: np.ndarray, now: float) -> None:
+        limit = self.budget.limit
+        if len(rows) > limit:  # more than is kept: the newest `limit` replace all
+            self.dropped += self.n + len(rows) - limit
+            self.n = 0
+            rows = rows[-limit:]
         end = self.n + len(rows)
+        if end > 2 * limit:  # amortised: down to the newest `limit` rows
+            drop = end - limit
+            keep = self.n - drop
+            if len(self.data) > 2 * limit:  # the budget shrank since the array grew
+                smaller = np.empty((2 * limit, self.data.shape[1]))
+                smaller[:keep] = self.data[drop:self.n]
+                self.data = smaller
+            else:
+                self.data[:keep] = self.data[drop:self.n]
+            self.n = keep
+            self.dropped += drop
+            end = limit
         if end > len(self.data):
-            if end > 2 * self.limit:  # amortised: down to the newest `limit` rows
-                drop = min(self.n, end - self.limit)
-                self.data[:self.n - drop] = self.data[drop:self.n]
-                self.n -= drop
-                self.dropped += drop
-                end -= drop
-            if end > len(self.data):
-                grown = np.empty((max(2 * len(self.data), end), self.data.shape[1]))
-                grown[:self.n] = self.data[:self.n]
-                self.data = grown
+            grown = np.empty((min(max(2 * len(self.data), end), 2 * limit),
+                              self.data.shape[1]))
+            grown[:self.n] = self.data[:self.n]
+            self.data = grown
         self.data[self.n:end, :-1] = rows
         self.data[self.n:end, -1] = now
         self.n = end
@@ -213,7 +253,10 @@ class MetricsStore:
     """Bounded per-rank buffers of what the ranks reported. Thread-safe."""
 
     world_size: int
-    max_per_rank: int = 20_000
+    max_per_rank: int = 20_000  # rows per table (a rank's steps, one scalar, ...), events
+    # rows of all tables together: each table keeps max_rows / tables, at least
+    # MIN_TABLE_ROWS; the tables' arrays take at most TABLE_BYTES_PER_ROW bytes a row
+    max_rows: int = MAX_STORE_ROWS
     dropped: int = 0
     received: int = 0  # records filed (a table's row counts as one)
     version: int = 0  # bumps on every filing; readers poll it cheaply
@@ -222,6 +265,7 @@ class MetricsStore:
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
     _buffers: dict = field(default_factory=dict)  # (kind, rank) -> records (events)
     _tables: dict = field(default_factory=dict)  # kind -> (rank, labels) -> _Rows
+    _budget: _Budget | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _listeners: list = field(default_factory=list)
 
@@ -305,8 +349,25 @@ class MetricsStore:
         tables = self._tables.setdefault(kind, {})
         rows = tables.get((rank, labels))
         if rows is None:
-            rows = tables[(rank, labels)] = _Rows(len(TABLES[kind].columns), self.max_per_rank)
+            if self._budget is None:
+                self._budget = _Budget(self.max_per_rank, self.max_rows)
+            self._budget.add_table()
+            rows = tables[(rank, labels)] = _Rows(len(TABLES[kind].columns), self._budget)
         return rows
+
+    def table_cap(self) -> int:
+        """The most bytes the tables' arrays may take: 2 * max(max_rows, tables *
+        MIN_TABLE_ROWS) rows of TABLE_BYTES_PER_ROW."""
+        with self._lock:
+            tables = self._budget.tables if self._budget else 0
+        return 2 * max(self.max_rows, tables * MIN_TABLE_ROWS) * TABLE_BYTES_PER_ROW
+
+    def table_bytes(self) -> int:
+        """The bytes the tables' arrays take (the bulk of the store: steps, spans and
+        logged scalars)."""
+        with self._lock:
+            return sum(rows.data.nbytes for tables in self._tables.values()
+                       for rows in tables.values())
 
     def new_rows(self, kind: str, position: dict, upto: dict | None = None,
                  window: Bounds | None = None) -> list[tuple[int, tuple, np.ndarray]]:
@@ -417,6 +478,7 @@ class MetricsStore:
             self._buffers = {key: buf for key, buf in self._buffers.items()
                              if key[0] == "event"}
             self._tables.clear()
+            self._budget = None
             self.version += 1
 
     # -- exporters -------------------------------------------------------------------
