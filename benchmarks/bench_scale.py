@@ -1,0 +1,306 @@
+"""The notebook side under a thousand ranks: simulated ranks through the real channel.
+
+A few sender processes (--senders, 4 by default) each speak for many ranks: one PUSH
+socket per rank, the agent's own encoder (`mpilab.rank.agent.encode`, `Agent.heartbeat`),
+sent at the agent's moments (`next_send_time`, every SEND_INTERVAL_S; a heartbeat every
+HEARTBEAT_INTERVAL_S). Each simulated rank trains at --step-rate steps a second: per step a
+step record, a logged loss and two bucket allreduce spans, as DataParallel and
+`mpilab.log` make them; a cell-start event first, rank 0's progress events, and the
+heartbeats of a rank in that cell.
+
+A real IPython kernel is the notebook: the real RecordReceiver, MetricsStore and the
+runner's LiveViews (the training dashboard, displayed, following the store on the
+receiver's thread), and, on the kernel's main thread every runner tick (TICK_S), the real
+OutputRelay and Watchdog.check, as CellRunner._relay calls them. What is not real there:
+the output lines (every rank prints one line a second, the same text, made in the kernel
+and fed to the relay: ipyparallel's iopub, which carries them from real ranks, is not in
+this benchmark), and the cluster the watchdog reads (a stand-in with the ranks' hosts and
+pids, on hosts other than this one, and no launcher output: the cost measured is the
+watchdog's own, over 1,024 heartbeats and cell windows).
+
+Per size, over the steady part of the run (after --warmup s):
+- kernel CPU: the kernel process's CPU time (every thread: receiver, ZMQ, main) / wall;
+- latency: a logged loss's time on the rank to the dashboard redraw that took it
+  (median, p95; it includes the rank's wait for its next send moment, up to 0.25 s);
+- watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95, max);
+- store: the bytes of the store's tables (MetricsStore.table_bytes) and its cap
+  (table_cap), and the kernel's RSS;
+- redraw: the receiver thread's CPU time per dashboard redraw (median, p95), redraws/s.
+
+    .venv/bin/python benchmarks/bench_scale.py [--sizes 64,256,1024] [--duration 30]
+        [--warmup 8] [--step-rate 10] [--senders 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+SETUP = """
+import json, statistics, sys, time
+import numpy as np
+from mpilab.channel import MetricsStore, RecordReceiver
+from mpilab.live import LiveViews
+from mpilab.runner import TICK_S, OutputRelay
+from mpilab.watchdog import Watchdog
+import mpilab.widgets.dashboard as _d
+
+N = WORLD
+store = MetricsStore(world_size=N)
+receiver = RecordReceiver(store)
+msg_ids = {r: f"sim-{r}" for r in range(N)}
+
+class SimCluster:
+    '''A stand-in for RankCluster: what Watchdog reads of it. Ranks on other hosts
+    (the watchdog then reads heartbeat ages and the launcher's output, as for remote
+    ranks); no launcher output.'''
+    world_size = N
+    def __init__(self, store):
+        self.store = store
+        self.ranks = [{"rank": r, "host": f"sim-node-{r // 8}", "pid": 10_000 + r}
+                      for r in range(N)]
+    def engine_output(self, lines=200):
+        return ""
+
+# redraw cost and record -> dashboard latency, read as bench_overhead.py does: the log
+# rows the widget has taken at each redraw, incrementally
+_latency, _redraw, _redraw_at = [], [], []
+_measuring = [False]
+_refresh = _d.Dashboard.refresh
+def _timed_refresh(self, force=False):
+    started = time.thread_time()
+    drawn = _refresh(self, force)
+    if drawn and _measuring[0]:
+        now = time.time()
+        _redraw.append(time.thread_time() - started)
+        _redraw_at.append(now)
+        if not hasattr(self, "_probe_position"):
+            self._probe_position = {}
+        for _, _, rows in self.store.new_rows("log", self._probe_position,
+                                              upto=self._runlog.position["log"],
+                                              window=self.cell.bounds(self.store)):
+            _latency.extend((now - rows[:, 0]).tolist())
+    elif drawn and hasattr(self, "_runlog"):
+        self._probe_position = {k: v for k, v in self._runlog.position["log"].items()}
+    return drawn
+_d.Dashboard.refresh = _timed_refresh
+print(receiver.address)
+"""
+
+CELL = """
+views = LiveViews(store, N, True, msg_ids)
+cluster = SimCluster(store)
+watchdog = Watchdog(cluster, list(range(N)), 30.0, views.cell)
+relay = OutputRelay(list(range(N)), lambda stream, text: sys.stdout.write(text))
+checks, verdicts = [], []
+started = time.monotonic()
+steady = started + WARMUP
+cpu0 = wall0 = None
+line_due, line = started + 1.0, 0
+while time.monotonic() < started + DURATION:
+    now = time.monotonic()
+    if cpu0 is None and now >= steady:
+        cpu0, wall0 = time.process_time(), now
+        _measuring[0] = True
+    if now >= line_due:  # every rank prints a line a second
+        line += 1
+        line_due += 1.0
+        for r in range(N):
+            relay.feed(r, "stdout", f"epoch 0 step {10 * line}: training\\n", now)
+    relay.flush(now)
+    views.tick()
+    t0 = time.perf_counter()
+    verdict = watchdog.check(time.time(), {})
+    spent = time.perf_counter() - t0
+    if cpu0 is not None:
+        checks.append(spent)
+    if verdict is not None:
+        verdicts.append(verdict.lines[:2])
+    time.sleep(max(0.0, TICK_S - (time.monotonic() - now)))
+cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+_measuring[0] = False
+def pct(values, q):
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+span = (_redraw_at[-1] - _redraw_at[0]) if len(_redraw_at) > 1 else float("nan")
+import psutil
+print(json.dumps({
+    "cpu": cpu, "latency": [pct(_latency, 50), pct(_latency, 95), len(_latency)],
+    "check": [pct(checks, 50), pct(checks, 95), max(checks), len(checks)],
+    "redraw": [pct(_redraw, 50), pct(_redraw, 95), (len(_redraw_at) - 1) / span],
+    "table_bytes": store.table_bytes(), "table_cap": store.table_cap(),
+    "rss": psutil.Process().memory_info().rss, "received": store.received,
+    "dropped": store.dropped, "verdicts": verdicts[:3],
+    "ranks_seen": len(store.heartbeats)}))
+"""
+
+
+# -- the simulated ranks ------------------------------------------------------------------
+def sender(address: str, world: int, index: int, senders: int, duration: float,
+           step_rate: float) -> None:
+    """Speak for ranks index, index + senders, ... until `duration` s have passed."""
+    import zmq
+    from mpilab.rank.agent import (
+        HEARTBEAT_INTERVAL_S,
+        SEND_INTERVAL_S,
+        Agent,
+        encode,
+        next_send_time,
+    )
+
+    ranks = list(range(index, world, senders))
+    ctx = zmq.Context.instance()
+    socks, agents = {}, {}
+    for r in ranks:
+        sock = ctx.socket(zmq.PUSH)  # as Agent._run sets its socket up
+        sock.setsockopt(zmq.LINGER, 500)
+        sock.setsockopt(zmq.SNDHWM, 10_000)
+        sock.connect(address)
+        socks[r] = sock
+        agent = agents[r] = Agent(r, world, None)  # its heartbeat(); it sends nothing itself
+        agent.state.phase, agent.state.cell, agent.state.request = "running", 1, f"sim-{r}"
+    start = time.time()
+    queued = {r: [{"k": "event", "r": r, "t": start, "what": "cell-start", "cell": 1,
+                   "msg": f"sim-{r}"}] for r in ranks}
+    step, next_step_t = 0, start
+    next_beat = 0.0
+    dropped = 0
+    while time.time() < start + duration:
+        now = time.time()
+        while next_step_t <= now:  # the steps every rank ended since the last send
+            step += 1
+            t = next_step_t
+            for r in ranks:
+                queued[r] += [
+                    {"k": "step", "r": r, "t": t, "step": step, "dur": 1 / step_rate,
+                     "compute": 0.7 / step_rate, "comm": 0.3 / step_rate,
+                     "nbytes": 100_000_000, "samples": 32},
+                    {"k": "log", "r": r, "t": t, "step": step,
+                     "values": {"loss": 1.0 / step}},
+                    ("allreduce", t - 0.2 / step_rate, t - 0.1 / step_rate, 50_000_000,
+                     2 * step - 1),
+                    ("allreduce", t - 0.1 / step_rate, t, 50_000_000, 2 * step)]
+            next_step_t += 1 / step_rate
+        beat = time.monotonic() >= next_beat
+        if beat:
+            next_beat = time.monotonic() + HEARTBEAT_INTERVAL_S - SEND_INTERVAL_S / 2
+        for r in ranks:
+            agents[r].state.step = step
+            records, queued[r] = queued[r], []
+            if beat:
+                records.append(agents[r].heartbeat())
+            if r == 0:
+                records.append({"k": "event", "r": 0, "t": now, "what": "progress",
+                                "n": step, "total": 0, "desc": "train",
+                                "elapsed": now - start})
+            for message in encode(r, records):
+                try:
+                    socks[r].send(message, zmq.NOBLOCK)
+                except zmq.Again:
+                    dropped += 1
+        time.sleep(max(0.0, next_send_time(time.time()) - time.time()))
+    end = time.time()
+    for r in ranks:
+        agents[r].state.phase = "idle"
+        for message in encode(r, [{"k": "event", "r": r, "t": end, "what": "cell-end",
+                                   "cell": 1, "msg": f"sim-{r}"}, agents[r].heartbeat()]):
+            socks[r].send(message)
+    for sock in socks.values():
+        sock.close()
+    print(json.dumps({"sender": index, "ranks": len(ranks), "dropped": dropped}))
+
+
+# -- the measurement ----------------------------------------------------------------------
+def measure(world: int, args) -> dict:
+    from kernel import Kernel
+
+    kernel = Kernel()
+    procs = []
+    try:
+        run = kernel.run(SETUP.replace("WORLD", str(world)), timeout=120)
+        if not run.ok:
+            raise SystemExit(run.text)
+        address = run.stdout.strip().splitlines()[-1]
+        load_before = os.getloadavg()[0]
+        sender_cpu0 = 0.0
+        for index in range(args.senders):
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--sender", address, "--world", str(world),
+                 "--index", str(index), "--senders", str(args.senders),
+                 "--duration", str(args.duration + 3), "--step-rate", str(args.step_rate)],
+                stdout=subprocess.PIPE, text=True))
+        psprocs = [psutil.Process(p.pid) for p in procs]
+        run = kernel.run(CELL.replace("WARMUP", str(args.warmup))
+                         .replace("DURATION", str(args.duration)), timeout=args.duration + 300)
+        sender_cpu = sum(sum(p.cpu_times()[:2]) for p in psprocs if p.is_running()) - sender_cpu0
+        if not run.ok:
+            raise SystemExit(run.text)
+        got = json.loads(run.stdout.strip().splitlines()[-1])
+        got["lines"] = sum(1 for line in run.stdout.splitlines() if line.startswith("["))
+        got["load"] = [load_before, os.getloadavg()[0]]
+        got["sender_cpu"] = sender_cpu / args.duration
+        for p in procs:
+            p.wait(timeout=60)
+        got["senders"] = [json.loads(p.stdout.read().strip().splitlines()[-1]) for p in procs]
+        return got
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        kernel.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="64,256,1024")
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--warmup", type=float, default=8.0)
+    parser.add_argument("--step-rate", type=float, default=10.0)
+    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--json", help="also write the results here")
+    # one sender process (the benchmark starts them)
+    parser.add_argument("--sender")
+    parser.add_argument("--world", type=int)
+    parser.add_argument("--index", type=int)
+    args = parser.parse_args()
+    if args.sender:
+        sender(args.sender, args.world, args.index, args.senders, args.duration,
+               args.step_rate)
+        return
+    results = {}
+    print(f"{args.senders} sender processes, {args.step_rate:g} steps/s per rank "
+          f"(a step: a step record, a loss, 2 allreduce spans), {args.duration:g} s runs, "
+          f"measured after {args.warmup:g} s; {os.cpu_count()} cores")
+    header = ("ranks | kernel CPU (cores) | record->dashboard median / p95 (s) | "
+              "watchdog check median / p95 / max (ms) | store tables (MB) / cap (MB) | "
+              "kernel RSS (MB) | redraw CPU median / p95 (ms), redraws/s | load avg")
+    print(header)
+    print("|".join(["---"] * header.count("|")) + "|---")
+    for world in [int(s) for s in args.sizes.split(",")]:
+        got = results[world] = measure(world, args)
+        lat, chk, red = got["latency"], got["check"], got["redraw"]
+        print(f"{world} | {got['cpu']:.2f} | {lat[0]:.3f} / {lat[1]:.3f} | "
+              f"{1e3 * chk[0]:.2f} / {1e3 * chk[1]:.2f} / {1e3 * chk[2]:.1f} | "
+              f"{got['table_bytes'] / 1e6:.1f} / {got['table_cap'] / 1e6:.0f} | "
+              f"{got['rss'] / 1e6:.0f} | {1e3 * red[0]:.1f} / {1e3 * red[1]:.1f}, "
+              f"{red[2]:.1f} | {got['load'][0]:.1f}-{got['load'][1]:.1f}", flush=True)
+        print(f"   ({got['received']:,} records filed, {got['dropped']} dropped, "
+              f"{got['ranks_seen']} ranks seen, {lat[2]:,} latency samples, "
+              f"{chk[3]} checks, {got['lines']} output lines, senders "
+              f"{got['sender_cpu']:.2f} cores, sends dropped "
+              f"{sum(s['dropped'] for s in got['senders'])}, verdicts {got['verdicts']})",
+              flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
