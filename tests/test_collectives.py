@@ -217,12 +217,13 @@ mpilab.allreduce(torch.ones(4, 1, 2))
 stop.set(); sampler.join()
 out["heartbeat"] = seen
 
-# a released wait in a planned broadcast; recovery gives the tensor a new plan
+# a released wait in a planned broadcast (a receiver's: a root waits for nobody); recovery
+# gives the tensor a new plan
 x = torch.zeros(1000)
 mpilab.broadcast(x)
 ctx.comm.Barrier()
 outcome = None
-if r == 0:
+if r == 1:
     threading.Timer(0.3, waiting.abort, ("peer failed",)).start()
     try:
         mpilab.broadcast(x)
@@ -274,7 +275,7 @@ def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: li
 
 
 def test_a_released_planned_wait_and_recovery(plans: list) -> None:
-    assert plans[0]["aborted"] == "peer failed"
+    assert plans[1]["aborted"] == "peer failed"
     assert plans[0]["after_recovery"] == plans[1]["after_recovery"] == [6.0, 6.0]
 
 

@@ -195,7 +195,7 @@ class Agent:
         when a heartbeat is sent).
         """
         if numbered is None:
-            numbered = get_ident() == threading.main_thread().ident
+            numbered = get_ident() == main_ident()
         return Collective(self, op, nbytes, shape, numbered)
 
     def span(self, name: str, ts: float, end: float, nbytes: int, seq: int) -> None:
@@ -297,11 +297,25 @@ class Collective:
 
     def __exit__(self, *exc: object) -> None:
         end = time.time()
-        st = self.agent.state
+        agent = self.agent
+        st = agent.state
         if self.numbered:
             st.phase = self.previous
             st.op = ""
-        self.agent.span(self.op, self.start, end, self.nbytes, st.seq)
+        if agent.address is not None:  # Agent.span, inlined
+            agent._queue.append((self.op, self.start, end, self.nbytes, st.seq))
+        else:
+            agent.span(self.op, self.start, end, self.nbytes, st.seq)
+
+
+_main_ident = [threading.main_thread().ident]
+os.register_at_fork(after_in_child=lambda: _main_ident.__setitem__(
+    0, threading.main_thread().ident))
+
+
+def main_ident() -> int | None:
+    """The main thread's id (threading.main_thread().ident, kept: a collective asks)."""
+    return _main_ident[0]
 
 
 def shape_text(shape: str | tuple) -> str:

@@ -152,7 +152,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
                     step()
                 if i >= _WARMUP:
                     times[b].append((time.perf_counter() - t0) / iters)
-        nbytes = _effective_size(op, size, n)
+        nbytes = effective_size(op, size, n)
         for b in running:
             slowest = np.array(times[b])
             comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
@@ -165,7 +165,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     return rows if ctx.rank == 0 else []
 
 
-def _effective_size(op: str, size: int, n: int) -> int:
+def effective_size(op: str, size: int, n: int) -> int:
     """Allgather's size is the gathered output: each rank sends size // n bytes."""
     if op == "allgather":
         return max(4, size // n // 4 * 4) * n
@@ -206,7 +206,7 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
     import torch
 
     n, comm = ctx.world_size, ctx.comm
-    count = _effective_size(op, size, n) // 4
+    count = effective_size(op, size, n) // 4
     part = count // n if op == "allgather" else count
     # zeros: an allreduce sums in place, hundreds of times; any other value would double
     # each time and overflow (numpy warns on the ranks' stderr), for no difference in speed

@@ -221,7 +221,7 @@ def _as_bytes(buf: torch.Tensor) -> Any:
 # ------------------------------------------------------------ per-tensor plans (CPU, MPI)
 class TensorPlan:
     """How one CPU tensor travels on mpilab's MPI path: made at its first collective and
-    kept while the tensor lives with the same storage, shape, strides and dtype (checked
+    kept while the tensor lives with the same storage, shape and dtype, contiguous (checked
     at every call, about a microsecond).
 
     Why: a collective on a small tensor takes a few microseconds on shared memory, and
@@ -234,14 +234,9 @@ class TensorPlan:
     the tensor, alive as the caller's argument, still has that memory.
     """
 
-    __slots__ = ("ref", "ptr", "shape", "stride", "dtype", "comm", "nbytes", "size",
-                 "raw", "array", "world", "floating", "reduce", "broadcast", "gather",
-                 "gathered_shape", "__weakref__")
-
-    def fits(self, tensor: torch.Tensor) -> bool:
-        return (self.ref() is tensor and self.comm is _comms.get("collectives")
-                and tensor.data_ptr() == self.ptr and tensor.shape == self.shape
-                and tensor.stride() == self.stride and tensor.dtype is self.dtype)
+    __slots__ = ("ref", "ptr", "shape", "dtype", "comm", "nbytes", "size", "raw", "array",
+                 "world", "floating", "reduce", "broadcast", "gather", "gathered_shape",
+                 "gathered_bytes")
 
 
 _plans: dict[int, TensorPlan] = {}
@@ -253,7 +248,9 @@ def tensor_plan(tensor: Any) -> TensorPlan | None:
     anything the general path takes (a list, a GPU, empty or non-contiguous tensor, a
     process without mpilab)."""
     plan = _plans.get(id(tensor))
-    if plan is not None and plan.fits(tensor):
+    if (plan is not None and plan.ref() is tensor and plan.comm is _comms.get("collectives")
+            and tensor.data_ptr() == plan.ptr and tensor.shape == plan.shape
+            and tensor.dtype is plan.dtype and tensor.is_contiguous()):
         return plan
     if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
             or tensor.layout != torch.strided or not tensor.is_contiguous()
@@ -268,7 +265,7 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan = TensorPlan()
     key = id(tensor)
     plan.ref = weakref.ref(tensor, functools.partial(_drop_plan, key))
-    plan.ptr, plan.shape, plan.stride = tensor.data_ptr(), tensor.shape, tensor.stride()
+    plan.ptr, plan.shape = tensor.data_ptr(), tensor.shape
     plan.dtype, plan.comm = tensor.dtype, comm
     plan.size = comm.Get_size()
     plan.nbytes = tensor.numel() * tensor.element_size()
@@ -278,6 +275,7 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.world = None if numpy_dtype is None else numpy_dtype(plan.size)
     plan.floating = tensor.is_floating_point()
     plan.gathered_shape = (plan.size, *plan.shape)
+    plan.gathered_bytes = ctypes.c_char * (plan.nbytes * plan.size)
     route = plan_for(comm)
     plan.reduce = reducer(comm)
     if route.path == "shm":
@@ -403,7 +401,8 @@ def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if plan is not None and backend in _HOST_BACKENDS:
         out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
         with waiting.collective("allgather", plan.nbytes, plan.shape):
-            plan.gather(plan.raw, _byte_view(out.data_ptr(), plan.nbytes * plan.size))
+            plan.gather(plan.raw, np.frombuffer(plan.gathered_bytes.from_address(
+                out.data_ptr()), np.uint8))
         return out
     ctx = bootstrap.context()
     chosen = resolve_backend(backend, tensor)

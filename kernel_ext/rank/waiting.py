@@ -36,6 +36,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from threading import get_ident
 from typing import Any
 
 from . import agent as agent_mod
@@ -157,10 +158,12 @@ def collective(op: str, nbytes: int = 0, shape: str | tuple = "") -> agent_mod.C
     the main thread and inside for_main_thread() on any other.
 
     The main thread is then blocked on this one, so no collective of its own can
-    interleave with the numbering.
+    interleave with the numbering. (Called once per collective, a few microseconds on
+    shared memory: no call here that is not needed.)
     """
-    return agent_mod.current().collective(
-        op, nbytes, shape, True if getattr(_local, "for_main", False) else None)
+    return agent_mod.Collective(
+        agent_mod._agent or agent_mod.current(), op, nbytes, shape,
+        get_ident() == agent_mod.main_ident() or getattr(_local, "for_main", False))
 
 
 # ----------------------------------------------------------- SIGINT while in backward
