@@ -25,6 +25,7 @@ class Session:
         self._auto_transformer = None
         self._started_once = False
         self.hang_timeout = DEFAULT_HANG_TIMEOUT_S
+        self._status = None  # the status table that ticks (the latest shown)
 
     @classmethod
     def instance(cls) -> Session:
@@ -206,17 +207,66 @@ class Session:
         threading.Thread(target=stop_when_idle, daemon=True, name="mpilab-dashboard").start()
 
     def show_status(self):
-        """A live table of the ranks (a text table where there is no widget frontend)."""
+        """A live table of the ranks (a text table where there is no widget frontend).
+        It ticks while it is in sight, and stops when the ranks it shows are stopped;
+        a table shown again replaces the previous one's ticking."""
         from IPython.display import display
         from mpilab.widgets.status import StatusTable
 
         if not self.cluster.ranks:
             raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
-        rank_info = [dict(info, dead=self.cluster.dead.get(info["rank"], ""))
-                     for info in self.cluster.ranks]
-        table = StatusTable(rank_info, self.cluster.store)
+        if self._status is not None:
+            self._status.stop()
+        table = self._status = StatusTable(live_rank_info(self.cluster), self.cluster.store)
         table.start()
         display(table)
+
+
+def live_rank_info(cluster) -> Callable[[], list[dict]]:
+    """A function that returns the cluster's ranks as they are now, for the status table:
+    a rank the watchdog declared dead, or whose process on this host has ended, is
+    `dead` with how (at once, not after its heartbeats' silence); once the cluster is
+    stopped or restarted, every rank is `dead` and `stopped`."""
+    import socket
+
+    import psutil
+
+    ranks = cluster.ranks  # a restart makes a new list
+    shown = [dict(info) for info in ranks]
+    host = socket.gethostname()
+    procs = {}
+    for info in shown:
+        if info.get("host") == host:
+            try:
+                procs[info["rank"]] = psutil.Process(info["pid"])
+            except psutil.Error:
+                procs[info["rank"]] = None
+
+    def rank_info() -> list[dict]:
+        if cluster.ranks is not ranks:
+            return [dict(info, dead="stopped (`%mpilab start` or `restart` brings ranks back)",
+                         stopped=True) for info in shown]
+        now = []
+        for info in shown:
+            dead = cluster.dead.get(info["rank"], "")
+            if not dead and info["rank"] in procs:
+                dead = _process_ended(procs[info["rank"]])
+            now.append(dict(info, dead=dead))
+        return now
+
+    return rank_info
+
+
+def _process_ended(proc) -> str:
+    """'' while the rank's process runs; else what the table says about it."""
+    import psutil
+
+    try:
+        if proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+            return ""
+    except psutil.Error:
+        pass
+    return "its process has ended"
 
 
 def latest_dashboard(runs: list, store, world_size: int):

@@ -463,15 +463,86 @@ def test_status_text_and_table():
     assert bundle["text/plain"].splitlines()[0] == lines[0]
 
 
-def test_status_marks_silent_ranks_dead():
+def test_status_marks_silent_ranks_unreachable_and_dead_ones_dead():
     store = MetricsStore(world_size=3)
     store.add(hb_record(0))
+    store.add(hb_record(1))
     store.last_seen[0] -= 30  # as if the last heartbeat was 30 s ago
-    assert "dead? (silent 30 s)" in status_text(RANK_INFO, store).splitlines()[1]
+    store.last_seen[1] -= 2
+    lines = status_text(RANK_INFO, store).splitlines()
+    assert "cannot be reached: no heartbeat for 30 s" in lines[1]
+    assert "idle" in lines[2] and "(late)" in lines[2]
     table = StatusTable(RANK_INFO, store)
-    assert "dead?" in table.widget.value and "#fde0dc" in table.widget.value
+    assert "cannot be reached" in table.widget.value and "#fde0dc" in table.widget.value
     info = [dict(RANK_INFO[0], dead="exit code 9")]
     assert "dead: exit code 9" in status_text(info, store).splitlines()[1]
+
+
+def test_status_table_ticks_while_in_sight_and_reads_the_ranks_anew():
+    store = MetricsStore(world_size=3)
+    for r in range(3):
+        store.add(hb_record(r))
+    dead: dict[int, str] = {}
+    stopped = []
+    table = StatusTable(lambda: [dict(i, dead=dead.get(i["rank"], ""), stopped=bool(stopped))
+                                 for i in RANK_INFO], store)
+    table.start(interval_s=0.02)
+    try:
+        _wait(lambda: table.refreshes >= 3)
+        dead[2] = "its process has ended"  # shown at the next tick, not after silence
+        _wait(lambda: "dead: its process has ended" in table.widget.value)
+        # every view out of sight: the table stops rewriting itself
+        table.widget._on_view(table.widget, {"view": "a", "visible": False}, [])
+        time.sleep(0.1)
+        frozen = table.refreshes
+        time.sleep(0.2)
+        assert table.refreshes == frozen
+        table.widget._on_view(table.widget, {"view": "a", "visible": True}, [])
+        _wait(lambda: table.refreshes > frozen)
+        stopped.append(True)  # the cluster stopped: one last rewrite, then no more
+        _wait(lambda: table.stopped)
+        assert ">stopped<" in table.widget.value
+        last = table.refreshes
+        time.sleep(0.2)
+        assert table.refreshes == last
+    finally:
+        table.stop()
+
+
+def _wait(condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
+    import socket
+    import subprocess
+    import sys
+
+    from mpilab.session import live_rank_info
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        class Cluster:
+            ranks = [{"rank": 0, "host": socket.gethostname(), "pid": proc.pid,
+                      "device": "cpu"},
+                     {"rank": 1, "host": "elsewhere", "pid": 1, "device": "cpu"}]
+            dead: dict[int, str] = {}
+
+        info = live_rank_info(Cluster)
+        assert [i["dead"] for i in info()] == ["", ""]
+        proc.kill()
+        proc.wait()
+        assert [i["dead"] for i in info()] == ["its process has ended", ""]
+        Cluster.dead = {1: "no heartbeat for 6 s"}
+        assert info()[1]["dead"] == "no heartbeat for 6 s"
+        Cluster.ranks = []  # stopped
+        assert all(i["stopped"] and i["dead"].startswith("stopped") for i in info())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 # -- bench -------------------------------------------------------------------------------
