@@ -248,7 +248,9 @@ def test_batch_job_under_mpiexec_with_a_hostfile(emulated_cluster, hostfile, tmp
     assert all("[4.0, 4.0, 4.0]" in line for line in lines if line)
 
 
-def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostfile):
+def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostfile,
+                                                        ssh_kernel):
+    assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
     kernel = Kernel(env=emulated_cluster.env())
     try:
         run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 --hostfile {hostfile}",
@@ -305,8 +307,10 @@ def test_ssh_refused_is_ssh_s_line(ssh_kernel, emulated_cluster, hostfile, tmp_p
 
 # -- Slurm ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def slurm_kernel(emulated_cluster):
-    """A kernel that submits batch jobs: the nodes' own mpiexec starts the ranks inside."""
+def slurm_kernel(emulated_cluster, ssh_kernel):
+    """A kernel that submits batch jobs: the nodes' own mpiexec starts the ranks inside.
+    The ssh tests' ranks are stopped first: these tests count what is left on the nodes."""
+    assert ssh_kernel.run("%mpilab stop", timeout=120).ok
     kernel = Kernel(env=emulated_cluster.job_env())
     assert kernel.run("%load_ext mpilab").ok
     yield kernel
@@ -365,7 +369,7 @@ def test_slurm_controller_down_is_one_line(slurm_kernel, emulated_cluster, tmp_p
     assert emulated_cluster.squeue() == []
 
 
-def test_slurm_kernel_killed_ends_the_job(emulated_cluster):
+def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):
     kernel = Kernel(env=emulated_cluster.job_env())
     try:
         run = kernel.run("%load_ext mpilab\n%mpilab start -n 4 --launcher slurm --nodes 2",
@@ -383,7 +387,7 @@ def test_slurm_kernel_killed_ends_the_job(emulated_cluster):
         kernel.km.cleanup_resources()
 
 
-def test_slurm_inside_an_allocation(emulated_cluster):
+def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel):
     """salloc's allocation (its variables in the kernel): the ranks go into it."""
     out = emulated_cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
                                      "--ntasks-per-node", "2", "-t", "10").stderr
