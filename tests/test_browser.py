@@ -369,8 +369,11 @@ def test_view_out_of_sight_draws_nothing_until_back(page, lab):
     run_cell(page, 1)
     wait_cell_done(page, 1)
     wait_for_plot(page, 1)
+    # the view may first draw the empty figure (traces without x), if it is attached
+    # before the thread's first update reaches it
     page.wait_for_function("() => (document.querySelectorAll('.jp-Notebook .jp-Cell')[1]"
-                           ".querySelector('.js-plotly-plot')._fullData || [])[0]?.x.length >= 5")
+                           ".querySelector('.js-plotly-plot')._fullData || [])[0]?.x?.length"
+                           " >= 5")
     # the plot leaves the page with its output: keep a handle on it, and count drawings
     page.evaluate("""() => {
         window.feedPlot = document.querySelectorAll('.jp-Notebook .jp-Cell')[1]
