@@ -288,7 +288,7 @@ class CellRunner:
                           dict(zip(ranks, ar.msg_ids)))
         self.last_views = views
         self.recent_runs.append(RecentRun(
-            label.removeprefix(CELL_LABEL.split("{")[0]) if label else None, views.cell))
+            label.removeprefix(CELL_LABEL.split(":")[0] + ":") if label else None, views.cell))
         deadline = None  # --timeout counts from when the ranks begin the cell
 
         def pump(final: bool = False) -> None:
