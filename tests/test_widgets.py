@@ -421,6 +421,17 @@ def test_log_only_cell_plots_scalars_against_their_count_in_one_panel():
     assert given.layout.xaxis3.title.text != "value # (logged without training steps)"
 
 
+def test_quantities_never_take_a_ranks_color():
+    from mpilab.widgets.plotting import RANK_COLORS
+
+    fig = Dashboard(filled_store(steps=10, world_size=8), world_size=8).static_figure()
+    ranks = {t.line.color for t in fig.data if (t.name or "").startswith("rank ")}
+    assert ranks == set(RANK_COLORS[:8])
+    quantities = [t.marker.color for t in fig.data if t.type == "bar"]
+    quantities += [t.line.color for t in fig.data if t.name in ("loss", "acc")]
+    assert len(set(quantities)) == 4 and not set(quantities) & set(RANK_COLORS)
+
+
 def test_a_training_run_draws_every_panel_that_has_data():
     fig = Dashboard(filled_store(steps=20), world_size=2).static_figure()
     assert all(fig.layout[a].visible is not False for a in ("xaxis", "xaxis2", "xaxis3",

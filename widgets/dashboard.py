@@ -32,6 +32,7 @@ from .plotting import (
     GrowingSeries,
     figure_bundle,
     figure_html,
+    quantity_color,
     rank_color,
 )
 
@@ -41,7 +42,8 @@ MIN_REDRAW_INTERVAL_S = 0.23  # and at least REDRAW_BUDGET times a redraw's own 
 SPLIT_WINDOW = 20  # the step-time bars average this many recent steps per rank
 # A step's time is compute plus the communication it waited for (the rest overlapped
 # with backward); the stack is the step time, and a straggler's peers wait longest.
-SPLIT_PARTS = (("compute", "#4c78a8"), ("comm wait", "#e45756"))
+# greys, as no rank is drawn in them (RANK_COLORS): comm wait, the dark part, stands out
+SPLIT_PARTS = (("compute", "#c7c7c7"), ("comm wait", "#252525"))
 Series = tuple[np.ndarray, np.ndarray]
 # the panels, in the order of the 2x2 grid: (x axis, y axis) and the subplot title's index
 PANELS = ("throughput", "split", "scalars", "bandwidth")
@@ -442,13 +444,14 @@ class Dashboard:
         figure = copy.deepcopy(base)
         if self.source:
             figure["layout"]["title"]["text"] += f", from {self.source}"
-        for name in scalars:
+        for i, name in enumerate(scalars):
             # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
             # figure has no subplot grid to look rows and columns up in)
             axis = "y5" if name in COMM_SCALARS else "y3"
             figure["data"].append({"type": "scatter", "name": name, "mode": "lines",
                                    "xaxis": "x3", "yaxis": axis,
-                                   "line": {"dash": "dot"} if axis == "y5" else {}})
+                                   "line": {"color": quantity_color(i),
+                                            **({"dash": "dot"} if axis == "y5" else {})}})
         _arrange(figure, panels, self.world_size,
                  comm_axis=any(name in COMM_SCALARS for name in scalars))
         if scalars_by == "count":  # logged without training steps

@@ -18,6 +18,10 @@ RANK_COLORS = (
     "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
     "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
 )
+# quantities (logged scalars, the parts of a step) never take a rank's color: a loss line
+# beside rank 3's throughput must not read as rank 3's. Black and dark shades that
+# category10 (RANK_COLORS) does not use
+QUANTITY_COLORS = ("#000000", "#8c6d31", "#393b79", "#637939", "#7b4173", "#5254a3")
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 # plotly's own include_plotlyjs="cdn" hashes its 4.6 MB plotly.js for the script tag's
@@ -30,6 +34,11 @@ _PLOTLYJS_TAG = f'<script charset="utf-8" src="{_PLOTLYJS_CDN}"></script>'
 def rank_color(rank: int) -> str:
     """The same color for a rank in every plot, so a straggler is followed across them."""
     return RANK_COLORS[rank % len(RANK_COLORS)]
+
+
+def quantity_color(index: int) -> str:
+    """The color of the `index`-th quantity (logged scalar) of a plot."""
+    return QUANTITY_COLORS[index % len(QUANTITY_COLORS)]
 
 
 def downsample(x, y, max_points: int = MAX_POINTS,
