@@ -221,6 +221,7 @@ class CellWindow:
     since: float  # epoch s: when the cell was run (it begins on the ranks later)
     msg_ids: dict[int, str] | None = None  # rank -> the cell's execute request there
     _marks: dict[int, CellMarks] = field(default_factory=dict)
+    _events_read: int = -1  # the store's count of events when the marks were read
 
     def bounds(self, store: MetricsStore) -> Bounds:
         """The ranks whose records count now, and from when until when."""
@@ -234,9 +235,14 @@ class CellWindow:
         return {r: m.number for r, m in self._read(store).items()}
 
     def _read(self, store: MetricsStore) -> dict[int, CellMarks]:
-        if len(self._marks) < len(self.msg_ids or ()) or any(
-                m.end == math.inf for m in self._marks.values()):
-            self._marks = store.cell_marks(self.msg_ids or {}, self.since)  # until it ends
+        # read again until the cell ends everywhere, when an event came since (the
+        # watchdog asks 20 times a second: at 1,024 ranks a read cost ~10 ms)
+        events = store.events
+        if events != self._events_read and (
+                len(self._marks) < len(self.msg_ids or ()) or any(
+                    m.end == math.inf for m in self._marks.values())):
+            self._events_read = events
+            self._marks = store.cell_marks(self.msg_ids or {}, self.since)
         return self._marks
 
     def started(self, store: MetricsStore) -> float | None:
@@ -260,6 +266,7 @@ class MetricsStore:
     dropped: int = 0
     received: int = 0  # records filed (a table's row counts as one)
     version: int = 0  # bumps on every filing; readers poll it cheaply
+    events: int = 0  # events filed into the buffers (a cell's start and end among them)
     heartbeats: dict = field(default_factory=dict)
     _latest: dict = field(default_factory=dict)  # (what, rank) -> newest LATEST_ONLY event
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
@@ -336,6 +343,7 @@ class MetricsStore:
                     buf = self._buffers[(kind, rank)] = _Records(maxlen=self.max_per_rank)
                 buf.ordered = buf.ordered and (not buf or record["t"] >= buf[-1]["t"])
                 buf.append(record)
+                self.events += 1
             self.received += 1
         self.last_seen[rank] = monotonic_now
         self.version += 1
