@@ -190,6 +190,9 @@ class RunOptions:
     quiet: bool = False
     output_cap: int = DEFAULT_OUTPUT_CAP
     hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
+    # a bar above the merged output that shows one rank's own output at a time, live,
+    # failing ranks marked (cells on several ranks; not with `quiet`)
+    per_rank: bool = False
 
 
 @dataclass
@@ -284,6 +287,7 @@ class CellRunner:
         # death report shows them
         relay = OutputRelay(ranks, _discard if options.quiet else self.write,
                             cap=options.output_cap)
+        by_rank = _per_rank_view(ranks, options)
         views = LiveViews(self.cluster.store, self.cluster.world_size, options.dashboard,
                           dict(zip(ranks, ar.msg_ids)))
         self.last_views = views
@@ -299,7 +303,10 @@ class CellRunner:
                     start = offsets[(r, stream)]
                     if len(text) > start:
                         offsets[(r, stream)] = len(text)
-                        relay.feed(r, stream, _ANSI.sub("", text[start:]), now)
+                        clean = _ANSI.sub("", text[start:])
+                        relay.feed(r, stream, clean, now)
+                        if by_rank is not None:
+                            by_rank.feed(r, clean)
                 outputs = md["outputs"]
                 while shown_outputs[r] < len(outputs):
                     if not options.quiet:
@@ -308,6 +315,8 @@ class CellRunner:
                     shown_outputs[r] += 1
             relay.flush(now, final=final)
             views.tick()
+            if by_rank is not None:
+                by_rank.tick()
 
         singles = dict(zip(ranks, ar.split()))
         watchdog = Watchdog(self.cluster, ranks, options.hang_timeout, views.cell)
@@ -350,8 +359,10 @@ class CellRunner:
                 if tail:
                     outcome.notes.append(f"last lines from rank {r}:")
                     outcome.notes.extend(f"  {line}" for line in tail)
+            _finish_per_rank(by_rank, outcome)
             return
         self._collect(ar, ranks, outcome)
+        _finish_per_rank(by_rank, outcome)
 
     def _contain(self, ar, verdict: Verdict, relay: OutputRelay, outcome: CellOutcome,
                  cell: CellWindow) -> None:
@@ -542,6 +553,37 @@ def _display_bundle(data: dict, metadata: dict | None = None) -> None:
     from IPython.display import publish_display_data
 
     publish_display_data(data, metadata=metadata or {})
+
+
+def _per_rank_view(ranks: list[int], options: RunOptions):
+    """The per-rank output bar, shown above the cell's merged output; None when not
+    asked for (or one rank, or --quiet)."""
+    if not options.per_rank or len(ranks) < 2 or options.quiet:
+        return None
+    import uuid
+
+    from IPython.display import display
+    from mpilab.widgets.rank_output import RankOutputs
+
+    by_rank = RankOutputs(ranks)
+    by_rank.display_id = uuid.uuid4().hex
+    display(by_rank.mimebundle(), raw=True, display_id=by_rank.display_id)
+    return by_rank
+
+
+def _finish_per_rank(by_rank, outcome: CellOutcome) -> None:
+    """The failing ranks marked, each one's error at the end of its own output."""
+    if by_rank is None:
+        return
+    from IPython.display import update_display
+
+    failed = {r: e for r, e in outcome.errors.items()
+              if e != "still running" and not _is_interrupt(e)}
+    failed.update({r: f"died: {cause}" for r, cause in outcome.dead.items()})
+    for r, error in failed.items():
+        by_rank.feed(r, f"\n{error}\n")
+    by_rank.finish(sorted(failed))
+    update_display(by_rank.mimebundle(), raw=True, display_id=by_rank.display_id)
 
 
 def _publish(output: dict, rank: int, label: bool) -> None:

@@ -173,3 +173,66 @@ def test_status_ticks_and_shows_a_killed_rank_dead(page, lab):
     took = time.monotonic() - killed
     assert took < DEAD_SHOWN_WITHIN_S, took
     shot(page, "views_status_dead", 1)
+
+
+def per_rank_cell(flag: Path) -> str:
+    """Four ranks print; they wait for `flag` (the test saw their output live), then
+    rank 2 fails. Run with the per-rank view through the runner's Python API."""
+    body = ("import os, time\\n"
+            "print('step 0 on rank', rank, flush=True)\\n"
+            "deadline = time.monotonic() + 90\\n"
+            f"while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:\\n"
+            "    time.sleep(0.05)\\n"
+            "print('step 1 on rank', rank, flush=True)\\n"
+            "if rank == 2:\\n"
+            "    raise ValueError('boom on rank 2')\\n")
+    return ("from mpilab.runner import RunOptions\n"
+            "from mpilab.session import Session\n"
+            f'Session.instance().run_cell("{body}", RunOptions(per_rank=True))')
+
+
+def wait_prompt_done(page, index: int, timeout_s: float = 120) -> None:
+    """The cell has finished (it may have failed: this cell's error is expected)."""
+    page.wait_for_function(
+        "i => /\\[[0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').textContent)", arg=index,
+        timeout=timeout_s * 1000)
+
+
+def test_per_rank_view_with_four_ranks_live_and_a_failing_rank_marked(page, lab):
+    flag = lab.root / "per_rank.go"
+    flag.unlink(missing_ok=True)
+    name = lab.write_notebook("views_per_rank.ipynb",
+                              ["%load_ext mpilab\n%mpilab start -n 4", per_rank_cell(flag)])
+    open_notebook(page, lab, name)
+    run_cell(page, 0)
+    wait_cell_done(page, 0, timeout_s=240)
+    run_cell(page, 1)
+    tabs = cell(page, 1).locator(".mpilab-rank-tabs")
+    tabs.wait_for(timeout=60_000)
+    assert tabs.locator("button").all_inner_texts() == \
+        ["merged", "rank 0", "rank 1", "rank 2", "rank 3"]
+    # live: rank 1's own output while the cell still runs (the ranks wait for the flag)
+    tabs.locator("button[data-rank='1']").click()
+    page.wait_for_function(
+        """i => /step 0 on rank 1/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                 .querySelector('.mpilab-rank-output')?.textContent || '')""",
+        arg=1, timeout=60_000)
+    shown = cell(page, 1).locator(".mpilab-rank-output").inner_text()
+    assert "rank 0" not in shown and "rank 3" not in shown, shown
+    assert "[*]" in cell(page, 1).locator(".jp-InputPrompt").inner_text()
+    shot(page, "views_per_rank_live", 1)
+    flag.touch()
+    wait_prompt_done(page, 1)
+    # the failing rank is marked, its error in its own output; the merged view stays
+    failed = tabs.locator("button.mpilab-rank-failed")
+    failed.wait_for(timeout=30_000)
+    assert failed.all_inner_texts() == ["rank 2 \u2717"]
+    failed.click()
+    page.wait_for_function(
+        """i => /boom on rank 2/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                 .querySelector('.mpilab-rank-output')?.textContent || '')""",
+        arg=1, timeout=30_000)
+    merged = cell(page, 1).locator(".jp-OutputArea").inner_text()
+    assert "step 1 on rank 3" in merged
+    shot(page, "views_per_rank_failed", 1)

@@ -450,6 +450,31 @@ def test_a_training_run_draws_every_panel_that_has_data():
     assert layout.xaxis3.visible is not False and layout.height == 640
 
 
+def test_per_rank_output_collects_each_ranks_text_throttled_and_marks_failures():
+    from mpilab.widgets.rank_output import MAX_CHARS, RankOutputs
+
+    clock = FakeClock()
+    outputs = RankOutputs([0, 1, 2, 3])
+    outputs.clock = clock
+    outputs.feed(0, "a\n")
+    outputs.feed(2, "x\n")
+    assert outputs.tick() and outputs.view.texts == {"0": "a\n", "1": "", "2": "x\n", "3": ""}
+    outputs.feed(0, "b\n")
+    assert not outputs.tick()  # too soon after the last send
+    clock.now += 0.3
+    assert outputs.tick() and outputs.view.texts["0"] == "a\nb\n"
+    assert not outputs.tick(force=True)  # nothing new
+    outputs.feed(9, "not a rank of this cell")
+    outputs.feed(1, "y" * (MAX_CHARS + 10))
+    outputs.feed(1, "z\n")
+    outputs.finish([2])
+    assert outputs.view.failed == [2] and outputs.view.texts["1"].endswith("z\n")
+    assert len(outputs.view.texts["1"]) <= MAX_CHARS
+    bundle = outputs.mimebundle()
+    assert bundle[WIDGET_VIEW_MIME]["model_id"] == outputs.view.model_id
+    assert bundle["text/plain"] == "[per-rank output of ranks 0, 1, 2, 3; failed: 2]"
+
+
 # -- status ------------------------------------------------------------------------------
 RANK_INFO = [{"rank": r, "host": "node1", "pid": 100 + r, "device": "cpu", "backend": "gloo"}
              for r in range(3)]
