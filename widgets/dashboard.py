@@ -186,9 +186,13 @@ class _RunLog:
         logged there."""
         by_step: dict[str, list[np.ndarray]] = defaultdict(list)  # (step, value) rows
         by_count: dict[str, list[np.ndarray]] = defaultdict(list)  # (count, value) rows
+        counting = not self.ranks  # a run with training steps shows scalars by step
         for rank, (name,), rows in logs:
-            steps, values = rows[:, _LOG_INDEX].T
-            by_step[name].append(np.column_stack([steps, values]))
+            step_values = rows[:, _LOG_INDEX]
+            by_step[name].append(step_values)
+            if not counting:
+                continue
+            steps, values = step_values.T
             count, last = self._logged.get((rank, name), (0, -np.inf))
             if len(steps) and (steps[0] <= last or np.any(np.diff(steps) <= 0)):
                 self._steps_repeat = True
