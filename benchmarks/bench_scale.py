@@ -25,7 +25,8 @@ Per size, over the steady part of the run (after --warmup s):
 - watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95, max);
 - store: the bytes of the store's tables (MetricsStore.table_bytes) and its cap
   (table_cap), and the kernel's RSS;
-- redraw: the receiver thread's CPU time per dashboard redraw (median, p95), redraws/s.
+- redraw: the receiver thread's CPU time per dashboard redraw (median, p95), redraws/s;
+  and the longest runner tick's LiveViews.tick (the dashboard's first display).
 
     .venv/bin/python benchmarks/bench_scale.py [--sizes 64,256,1024] [--duration 30]
         [--warmup 8] [--step-rate 10] [--senders 4]
@@ -101,7 +102,7 @@ views = LiveViews(store, N, True, msg_ids)
 cluster = SimCluster(store)
 watchdog = Watchdog(cluster, list(range(N)), 30.0, views.cell)
 relay = OutputRelay(list(range(N)), lambda stream, text: sys.stdout.write(text))
-checks, verdicts = [], []
+checks, verdicts, ticks = [], [], []
 started = time.monotonic()
 steady = started + WARMUP
 cpu0 = wall0 = None
@@ -117,7 +118,9 @@ while time.monotonic() < started + DURATION:
         for r in range(N):
             relay.feed(r, "stdout", f"epoch 0 step {10 * line}: training\\n", now)
     relay.flush(now)
+    t0 = time.perf_counter()
     views.tick()
+    ticks.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     verdict = watchdog.check(time.time(), {})
     spent = time.perf_counter() - t0
@@ -138,7 +141,8 @@ print(json.dumps({
     "redraw": [pct(_redraw, 50), pct(_redraw, 95), (len(_redraw_at) - 1) / span],
     "table_bytes": store.table_bytes(), "table_cap": store.table_cap(),
     "rss": psutil.Process().memory_info().rss, "received": store.received,
-    "dropped": store.dropped, "verdicts": verdicts[:3],
+    "dropped": store.dropped, "verdicts": verdicts[:3], "first_display": max(ticks),
+    "shown": views.dashboard._widget is not None, "redraws": views.dashboard.redraws,
     "ranks_seen": len(store.heartbeats)}))
 """
 
@@ -179,6 +183,10 @@ def sender(address: str, world: int, index: int, senders: int, duration: float,
             step += 1
             t = next_step_t
             for r in ranks:
+                # a numbered collective on the main thread each step (the loss's average):
+                # heartbeats carry the last 16, which the watchdog compares across ranks
+                agents[r].state.seq = step
+                agents[r].state.recent.append((step, "allreduce", 8))
                 queued[r] += [
                     {"k": "step", "r": r, "t": t, "step": step, "dur": 1 / step_rate,
                      "compute": 0.7 / step_rate, "comm": 0.3 / step_rate,
@@ -294,7 +302,8 @@ def main() -> None:
               f"{red[2]:.1f} | {got['load'][0]:.1f}-{got['load'][1]:.1f}", flush=True)
         print(f"   ({got['received']:,} records filed, {got['dropped']} dropped, "
               f"{got['ranks_seen']} ranks seen, {lat[2]:,} latency samples, "
-              f"{chk[3]} checks, {got['lines']} output lines, senders "
+              f"{chk[3]} checks, {got['lines']} output lines, {got['redraws']} dashboard "
+              f"redraws in all, longest LiveViews.tick {got['first_display']:.1f} s, senders "
               f"{got['sender_cpu']:.2f} cores, sends dropped "
               f"{sum(s['dropped'] for s in got['senders'])}, verdicts {got['verdicts']})",
               flush=True)
