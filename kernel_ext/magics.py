@@ -301,6 +301,9 @@ class MpilabMagics(Magics):
     @argument("--no-dashboard", action="store_true",
               help="no live training dashboard under this cell (the records are still kept)")
     @argument("--quiet", action="store_true", help="do not relay the ranks' output")
+    @argument("--by-rank", action="store_true",
+              help="also a view of each rank's own output (a button per rank, failing ranks "
+                   "marked), beside the merged one")
     @argument("--hang-timeout", type=float, default=None, metavar="S",
               help="seconds a collective may wait before the ranks are released (default: "
                    "%%mpilab start's, 30)")
@@ -324,6 +327,7 @@ class MpilabMagics(Magics):
                 raise UsageError(f"{flag} must be a positive number of seconds")
         options = RunOptions(spec=args.spec, timeout=args.timeout, block=not args.noblock,
                              dashboard=not args.no_dashboard, quiet=args.quiet,
+                             per_rank=args.by_rank,
                              hang_timeout=args.hang_timeout or self.session.hang_timeout)
         self.session.run_cell(cell, options)
 

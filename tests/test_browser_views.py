@@ -177,18 +177,16 @@ def test_status_ticks_and_shows_a_killed_rank_dead(page, lab):
 
 def per_rank_cell(flag: Path) -> str:
     """Four ranks print; they wait for `flag` (the test saw their output live), then
-    rank 2 fails. Run with the per-rank view through the runner's Python API."""
-    body = ("import os, time\\n"
-            "print('step 0 on rank', rank, flush=True)\\n"
-            "deadline = time.monotonic() + 90\\n"
-            f"while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:\\n"
-            "    time.sleep(0.05)\\n"
-            "print('step 1 on rank', rank, flush=True)\\n"
-            "if rank == 2:\\n"
-            "    raise ValueError('boom on rank 2')\\n")
-    return ("from mpilab.runner import RunOptions\n"
-            "from mpilab.session import Session\n"
-            f'Session.instance().run_cell("{body}", RunOptions(per_rank=True))')
+    rank 2 fails, in a `%%ranks --by-rank` cell."""
+    return ("%%ranks --by-rank\n"
+            "import os, time\n"
+            "print('step 0 on rank', rank, flush=True)\n"
+            "deadline = time.monotonic() + 90\n"
+            f"while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "print('step 1 on rank', rank, flush=True)\n"
+            "if rank == 2:\n"
+            "    raise ValueError('boom on rank 2')\n")
 
 
 def wait_prompt_done(page, index: int, timeout_s: float = 120) -> None:
