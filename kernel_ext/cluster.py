@@ -146,8 +146,7 @@ class RankCluster:
         cfg = self.config
         cfg.validate()
         into_allocation = cfg.launcher == "slurm" and placement.in_allocation()
-        mpiexec = find_mpiexec(cfg.mpiexec) if cfg.launcher == "mpi" or cfg.launcher == "slurm" \
-            else None
+        mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
         if into_allocation:
             held = placement.allocation_tasks()
             if held is not None and held < cfg.n:
