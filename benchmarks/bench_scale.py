@@ -22,7 +22,9 @@ Per size, over the steady part of the run (after --warmup s):
 - kernel CPU: the kernel process's CPU time (every thread: receiver, ZMQ, main) / wall;
 - latency: a logged loss's time on the rank to the dashboard redraw that took it
   (median, p95; it includes the rank's wait for its next send moment, up to 0.25 s);
-- watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95, max);
+- watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95,
+  max; it includes waits for the GIL, which the receiver thread holds while it files
+  records and redraws) and its thread's CPU time (median, p95);
 - store: the bytes of the store's tables (MetricsStore.table_bytes) and its cap
   (table_cap), and the kernel's RSS;
 - redraw: the receiver thread's CPU time per dashboard redraw (median, p95), redraws/s;
@@ -102,7 +104,7 @@ views = LiveViews(store, N, True, msg_ids)
 cluster = SimCluster(store)
 watchdog = Watchdog(cluster, list(range(N)), 30.0, views.cell)
 relay = OutputRelay(list(range(N)), lambda stream, text: sys.stdout.write(text))
-checks, verdicts, ticks = [], [], []
+checks, check_cpu, verdicts, ticks = [], [], [], []
 started = time.monotonic()
 steady = started + WARMUP
 cpu0 = wall0 = None
@@ -121,11 +123,12 @@ while time.monotonic() < started + DURATION:
     t0 = time.perf_counter()
     views.tick()
     ticks.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     verdict = watchdog.check(time.time(), {})
-    spent = time.perf_counter() - t0
+    spent, spent_cpu = time.perf_counter() - t0, time.thread_time() - c0
     if cpu0 is not None:
         checks.append(spent)
+        check_cpu.append(spent_cpu)
     if verdict is not None:
         verdicts.append(verdict.lines[:2])
     time.sleep(max(0.0, TICK_S - (time.monotonic() - now)))
@@ -138,6 +141,7 @@ import psutil
 print(json.dumps({
     "cpu": cpu, "latency": [pct(_latency, 50), pct(_latency, 95), len(_latency)],
     "check": [pct(checks, 50), pct(checks, 95), max(checks), len(checks)],
+    "check_cpu": [pct(check_cpu, 50), pct(check_cpu, 95)],
     "redraw": [pct(_redraw, 50), pct(_redraw, 95), (len(_redraw_at) - 1) / span],
     "table_bytes": store.table_bytes(), "table_cap": store.table_cap(),
     "rss": psutil.Process().memory_info().rss, "received": store.received,
@@ -288,15 +292,17 @@ def main() -> None:
           f"(a step: a step record, a loss, 2 allreduce spans), {args.duration:g} s runs, "
           f"measured after {args.warmup:g} s; {os.cpu_count()} cores")
     header = ("ranks | kernel CPU (cores) | record->dashboard median / p95 (s) | "
-              "watchdog check median / p95 / max (ms) | store tables (MB) / cap (MB) | "
-              "kernel RSS (MB) | redraw CPU median / p95 (ms), redraws/s | load avg")
+              "watchdog check median / p95 / max (ms), CPU median / p95 (ms) | "
+              "store tables (MB) / cap (MB) | kernel RSS (MB) | "
+              "redraw CPU median / p95 (ms), redraws/s | load avg")
     print(header)
     print("|".join(["---"] * header.count("|")) + "|---")
     for world in [int(s) for s in args.sizes.split(",")]:
         got = results[world] = measure(world, args)
         lat, chk, red = got["latency"], got["check"], got["redraw"]
         print(f"{world} | {got['cpu']:.2f} | {lat[0]:.3f} / {lat[1]:.3f} | "
-              f"{1e3 * chk[0]:.2f} / {1e3 * chk[1]:.2f} / {1e3 * chk[2]:.1f} | "
+              f"{1e3 * chk[0]:.2f} / {1e3 * chk[1]:.2f} / {1e3 * chk[2]:.1f}, "
+              f"{1e3 * got['check_cpu'][0]:.2f} / {1e3 * got['check_cpu'][1]:.2f} | "
               f"{got['table_bytes'] / 1e6:.1f} / {got['table_cap'] / 1e6:.0f} | "
               f"{got['rss'] / 1e6:.0f} | {1e3 * red[0]:.1f} / {1e3 * red[1]:.1f}, "
               f"{red[2]:.1f} | {got['load'][0]:.1f}-{got['load'][1]:.1f}", flush=True)
