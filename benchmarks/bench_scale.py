@@ -20,8 +20,9 @@ watchdog's own, over 1,024 heartbeats and cell windows).
 
 Per size, over the steady part of the run (after --warmup s):
 - kernel CPU: the kernel process's CPU time (every thread: receiver, ZMQ, main) / wall;
-- latency: a logged loss's time on the rank to the dashboard redraw that took it
-  (median, p95; it includes the rank's wait for its next send moment, up to 0.25 s);
+- latency: a logged loss's time on the rank to its filing in the store, and to the
+  dashboard redraw that took it (median, p95; both include the rank's wait for its next
+  send moment, up to 0.25 s);
 - watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95,
   max; it includes waits for the GIL, which the receiver thread holds while it files
   records and redraws) and its thread's CPU time (median, p95);
@@ -112,7 +113,7 @@ line_due, line = started + 1.0, 0
 while time.monotonic() < started + DURATION:
     now = time.monotonic()
     if cpu0 is None and now >= steady:
-        cpu0, wall0 = time.process_time(), now
+        cpu0, wall0, steady_epoch = time.process_time(), now, time.time()
         _measuring[0] = True
     if now >= line_due:  # every rank prints a line a second
         line += 1
@@ -134,12 +135,17 @@ while time.monotonic() < started + DURATION:
     time.sleep(max(0.0, TICK_S - (time.monotonic() - now)))
 cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
 _measuring[0] = False
+# record -> store: a logged loss's time on the rank to its filing (the store's last column)
+filed = np.concatenate([rows for _, _, rows in store.new_rows("log", {})])
+filed = filed[filed[:, -1] >= steady_epoch]
+to_store = filed[:, -1] - filed[:, 0]
 def pct(values, q):
     return float(np.percentile(values, q)) if len(values) else float("nan")
 span = (_redraw_at[-1] - _redraw_at[0]) if len(_redraw_at) > 1 else float("nan")
 import psutil
 print(json.dumps({
     "cpu": cpu, "latency": [pct(_latency, 50), pct(_latency, 95), len(_latency)],
+    "to_store": [pct(to_store, 50), pct(to_store, 95), len(to_store)],
     "check": [pct(checks, 50), pct(checks, 95), max(checks), len(checks)],
     "check_cpu": [pct(check_cpu, 50), pct(check_cpu, 95)],
     "redraw": [pct(_redraw, 50), pct(_redraw, 95), (len(_redraw_at) - 1) / span],
@@ -291,7 +297,7 @@ def main() -> None:
     print(f"{args.senders} sender processes, {args.step_rate:g} steps/s per rank "
           f"(a step: a step record, a loss, 2 allreduce spans), {args.duration:g} s runs, "
           f"measured after {args.warmup:g} s; {os.cpu_count()} cores")
-    header = ("ranks | kernel CPU (cores) | record->dashboard median / p95 (s) | "
+    header = ("ranks | kernel CPU (cores) | record->store, ->dashboard median / p95 (s) | "
               "watchdog check median / p95 / max (ms), CPU median / p95 (ms) | "
               "store tables (MB) / cap (MB) | kernel RSS (MB) | "
               "redraw CPU median / p95 (ms), redraws/s | load avg")
@@ -300,7 +306,8 @@ def main() -> None:
     for world in [int(s) for s in args.sizes.split(",")]:
         got = results[world] = measure(world, args)
         lat, chk, red = got["latency"], got["check"], got["redraw"]
-        print(f"{world} | {got['cpu']:.2f} | {lat[0]:.3f} / {lat[1]:.3f} | "
+        print(f"{world} | {got['cpu']:.2f} | {got['to_store'][0]:.3f} / "
+              f"{got['to_store'][1]:.3f}, {lat[0]:.3f} / {lat[1]:.3f} | "
               f"{1e3 * chk[0]:.2f} / {1e3 * chk[1]:.2f} / {1e3 * chk[2]:.1f}, "
               f"{1e3 * got['check_cpu'][0]:.2f} / {1e3 * got['check_cpu'][1]:.2f} | "
               f"{got['table_bytes'] / 1e6:.1f} / {got['table_cap'] / 1e6:.0f} | "
