@@ -60,21 +60,30 @@ def _age(hb: dict) -> float:
 
 def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
     """Ranks that did different things (op or size) at the same collective number,
-    in progress or recently finished."""
-    seen: dict[int, dict[int, tuple[str, int]]] = {}
-    for rank, hb in heartbeats.items():
-        history = {int(seq): (op, int(nbytes)) for seq, op, nbytes in hb.get("recent", [])}
-        if hb.get("phase") == "collective":
-            history[hb["seq"]] = (hb["op"], hb.get("op_nbytes", 0))
-        for seq, what in history.items():
-            seen.setdefault(seq, {})[rank] = what
-    for seq in sorted(seen):
-        members = seen[seq]
-        if len(members) > 1 and len(set(members.values())) > 1:
-            parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
-                     for r, (op, nbytes) in sorted(members.items())]
-            return "mismatched collectives: " + ", ".join(parts)
-    return None
+    in progress or recently finished. One pass over every rank's last collectives
+    (1,024 ranks: 16,000 of them, 20 times a second) finds the numbers they disagree
+    on; the report is built for the first of those only."""
+    first: dict[int, tuple[str, int]] = {}
+    clash: set[int] = set()
+    for hb in heartbeats.values():
+        for seq, what in _history(hb).items():
+            if first.setdefault(seq, what) != what:
+                clash.add(seq)
+    if not clash:
+        return None
+    seq = min(clash)
+    members = {r: _history(hb)[seq] for r, hb in heartbeats.items() if seq in _history(hb)}
+    parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
+             for r, (op, nbytes) in sorted(members.items())]
+    return "mismatched collectives: " + ", ".join(parts)
+
+
+def _history(hb: dict) -> dict[int, tuple[str, int]]:
+    """seq -> (op, nbytes) of a rank's recent collectives and the one it is in."""
+    history = {int(seq): (op, int(nbytes)) for seq, op, nbytes in hb.get("recent", [])}
+    if hb.get("phase") == "collective":
+        history[hb["seq"]] = (hb["op"], hb.get("op_nbytes", 0))
+    return history
 
 
 # a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
@@ -97,6 +106,7 @@ class Watchdog:
     def __init__(self, cluster, ranks: list[int], hang_timeout: float, cell: CellWindow):
         self.cluster = cluster
         self.ranks = ranks
+        self._ranks = set(ranks)  # membership tests: 1,024 ranks, 20 checks a second
         self.hang_timeout = hang_timeout
         self.cell = cell
         self._numbers: dict[int, int] = {}  # rank -> this cell's number there, once begun
@@ -180,7 +190,7 @@ class Watchdog:
         self._numbers = self.cell.numbers(store) if store else {}
         waiting = {r: heartbeats.get(r) for r in running}
         mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
-                                  if r in self.ranks and self._this_cell(hb)})
+                                  if r in self._ranks and self._this_cell(hb)})
         if mismatch:
             return Verdict("mismatch", [mismatch], release=running)
         failed = [r for r, how in finished.items() if how == "error"]
@@ -203,7 +213,7 @@ class Watchdog:
             progress = ", ".join(
                 f"rank {r} at collective #{hb['seq'] if hb else '?'}"
                 + (" (cell finished)" if r in finished else "")
-                for r, hb in sorted(heartbeats.items()) if r in self.ranks)
+                for r, hb in sorted(heartbeats.items()) if r in self._ranks)
             lines = [f"hang: {describe(r, hb)}" for r, hb in sorted(stuck.items())]
             lines.append(f"progress: {progress}")
             return Verdict("hang", lines, release=running)
