@@ -87,8 +87,9 @@ def _history(hb: dict) -> dict[int, tuple[str, int]]:
 
 
 # a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
-# dist.all_reduce(…), node_comm.Barrier(); mpilab's own collectives report themselves
-_DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
+# dist.all_reduce(…), node_comm.Barrier(), or a backward() whose DDP hooks allreduce;
+# mpilab's own collectives report themselves
+_DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(|\.backward\(")
 
 
 def death_cause(host: str, pid: int, launcher_output: str) -> str:

@@ -120,7 +120,7 @@ def test_rank_selection(lab):
     run = lab.run("%%ranks 0,1\nprint('x')")
     assert "[ranks 0-1] x" in run.stdout
     run = lab.run("%%ranks 1-1\nrank")
-    assert run.text.strip() == "1"
+    assert run.text.strip() == "Out[rank 1]: 1"  # labelled as all-rank values are
 
 
 @pytest.mark.parametrize("spec, message", [
