@@ -7,6 +7,9 @@ One run trains the same model with the same global batch, on synthetic data, as:
 - ``torchrun-ddp``: ``torchrun --nproc-per-node N``, a plain DistributedDataParallel script
 - ``single``:       one process, one core's worth of threads, the per-rank batch
   (the baseline of the scaling efficiency: samples/s of N ranks / (N x single))
+- ``independent``:  N such processes at once, each on its own, no communication: what N
+  busy cores of this machine give (shared caches, memory bandwidth, the host), so the
+  most N ranks can reach; its samples/s is the sum of theirs
 
 for two models: ``mlp`` (a wide MLP of ~6.3M parameters and a small batch: communication
 heavy) and ``cnn`` (a small CNN on 32x32 images: compute heavy). Every process gets
@@ -27,13 +30,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 MARK = "@@bench@@ "
 BIN = Path(sys.executable).parent
-WAYS = ("mpilab-mpi", "mpilab-torch", "torchrun-ddp", "single")
+WAYS = ("mpilab-mpi", "mpilab-torch", "torchrun-ddp", "single", "independent")
 
 
 @dataclass
@@ -69,22 +73,58 @@ def build(cfg: BenchConfig):
     return model, x, torch.randint(0, 10, (cfg.batch,))
 
 
-def train(model, x, y, cfg: BenchConfig, barrier) -> float:
-    """Seconds for cfg.steps SGD steps after cfg.warmup (slowest rank's view)."""
+def train(model, x, y, cfg: BenchConfig, barrier, group: FileGroup | None = None) -> float:
+    """Seconds for cfg.steps SGD steps after cfg.warmup (slowest rank's view).
+
+    With a `group` (independent processes): the steps are timed from when every process
+    of the group has warmed up, and a process done with them goes on training until
+    every other one is done too, so each is timed while all cores are busy."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loss_fn = torch.nn.CrossEntropyLoss()
-    start = 0.0
-    for step in range(cfg.warmup + cfg.steps):
-        if step == cfg.warmup:
-            barrier()
-            start = time.perf_counter()
+
+    def step() -> None:
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+
+    for _ in range(cfg.warmup):
+        step()
+    if group is not None:
+        group.meet("warm")
+    barrier()
+    start = time.perf_counter()
+    for _ in range(cfg.steps):
+        step()
+    if group is not None:
+        elapsed = time.perf_counter() - start
+        group.arrive("done")
+        while not group.all_arrived("done"):
+            step()
+        return elapsed
     barrier()
     return time.perf_counter() - start
+
+
+class FileGroup:
+    """Processes with nothing between them (no MPI) meeting through files in one folder:
+    `dir,count` from $MPILAB_BENCH_GROUP."""
+
+    def __init__(self, spec: str):
+        folder, count = spec.rsplit(",", 1)
+        self.folder, self.count = Path(folder), int(count)
+
+    def arrive(self, name: str) -> None:
+        (self.folder / f"{name}.{os.getpid()}").touch()
+
+    def all_arrived(self, name: str) -> bool:
+        return len(list(self.folder.glob(f"{name}.*"))) >= self.count
+
+    def meet(self, name: str) -> None:
+        self.arrive(name)
+        while not self.all_arrived(name):
+            time.sleep(0.001)
 
 
 def worker(way: str, cfg: BenchConfig) -> None:
@@ -110,11 +150,12 @@ def worker(way: str, cfg: BenchConfig) -> None:
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
         elapsed = train(model, x, y, cfg, dist.barrier)
         dist.destroy_process_group()
-    else:
+    else:  # single, independent: one process on its own
         rank, world = 0, 1
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
         model, x, y = build(cfg)
-        elapsed = train(model, x, y, cfg, lambda: None)
+        spec = os.environ.get("MPILAB_BENCH_GROUP")
+        elapsed = train(model, x, y, cfg, lambda: None, FileGroup(spec) if spec else None)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(MARK + json.dumps({"way": way, "samples_s": cfg.steps * cfg.batch * world / elapsed,
@@ -131,13 +172,36 @@ def launch(way: str, cfg: BenchConfig) -> dict:
     elif way == "torchrun-ddp":
         cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cfg.ranks}", *args[1:]]
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.ranks))
+    elif way == "independent":
+        return _independent(args, cfg, env)
     else:
         cmd = args
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    for line in proc.stdout.splitlines():
+    return _result(way, proc.returncode, proc.stdout, proc.stderr)
+
+
+def _result(way: str, returncode: int, stdout: str, stderr: str) -> dict:
+    for line in stdout.splitlines():
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
-    raise RuntimeError(f"{way} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    raise RuntimeError(f"{way} failed ({returncode}):\n{stderr[-3000:]}")
+
+
+def _independent(args: list[str], cfg: BenchConfig, env: dict) -> dict:
+    """cfg.ranks single processes started together, each timing its own steps while all
+    are busy (FileGroup); their samples/s added up."""
+    with tempfile.TemporaryDirectory(prefix="mpilab-bench-") as folder:
+        env = {**env, "MPILAB_BENCH_GROUP": f"{folder},{cfg.ranks}"}
+        procs = [subprocess.Popen([*args[:3], "single", *args[4:]], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+                 for _ in range(cfg.ranks)]
+        results = []
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=600)
+            results.append(_result("independent", proc.returncode, stdout, stderr))
+    total = sum(r["samples_s"] for r in results)
+    return {"way": "independent", "samples_s": total,
+            "step_ms": max(r["step_ms"] for r in results), "params": results[0]["params"]}
 
 
 def main() -> None:
@@ -172,11 +236,17 @@ def main() -> None:
         for way, r in got.items():
             print(f"{name:6} {way:14} {r['params']:>10,} {r['samples_s']:>11.1f} "
                   f"{r['step_ms']:>9.1f}")
-        mpi, tch, ddp, one = (got[w]["samples_s"] for w in WAYS)
+        mpi, tch, ddp, one, apart = (got[w]["samples_s"] for w in WAYS)
         print(f"{name:6} mpilab-mpi / torchrun-ddp = {mpi / ddp:.2f}x   "
               f"mpilab-torch / torchrun-ddp = {tch / ddp:.2f}x   "
               f"scaling efficiency (mpilab-mpi, {a.ranks} ranks vs 1 process) = "
-              f"{100 * mpi / (a.ranks * one):.0f}%")
+              f"{100 * mpi / (a.ranks * one):.0f}%   "
+              f"({a.ranks} independent processes: {100 * apart / (a.ranks * one):.0f}%; "
+              f"mpilab-mpi of that: {100 * mpi / apart:.0f}%)")
+        per_round = [r["mpilab-mpi"]["samples_s"] / r["torchrun-ddp"]["samples_s"]
+                     for r in runs]
+        print(f"{name:6} mpilab-mpi / torchrun-ddp in each round: "
+              + ", ".join(f"{x:.2f}x" for x in per_round))
 
 
 def _median_run(runs: list[dict]) -> dict:

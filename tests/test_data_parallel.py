@@ -300,3 +300,54 @@ def test_compressed_training_recovers_after_an_abort_mid_step(compression: str) 
     got = run_ranks(_GATHER + code, n=2, timeout=120)[0]
     assert "peer failed" in got[0]["outcome"]
     assert got[0]["params"] == got[1]["params"]
+
+
+_AT_THE_END = """
+import torch
+from torch import nn
+from mpilab.rank import agent, data_parallel as dpm
+
+records = []
+agent.current().emit = lambda kind, **f: records.append((kind, f))
+here = []
+real = dpm._CommThread.reduce_here_if_idle
+def spy(self, bucket):
+    done = real(self, bucket)
+    here.append(done)
+    return done
+dpm._CommThread.reduce_here_if_idle = spy
+
+out = {}
+for name, bucket_mb in (("one bucket", 25.0), ("several", 0.05)):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.Tanh(), nn.Linear(128, 128), nn.Linear(128, 4))
+    dp = mpilab.DataParallel(model, bucket_mb=bucket_mb)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(ctx.rank))
+    here.clear()
+    records.clear()
+    seq0 = agent.current().state.seq
+    for _ in range(3):
+        opt.zero_grad()
+        dp(x).pow(2).mean().backward()
+        opt.step()
+    spans = [f for kind, f in records if kind == "span" and f["name"] == "dp_allreduce"]
+    out[name] = {"buckets": len(dp._sync.buckets), "here": list(here),
+                 "numbered": agent.current().state.seq - seq0, "spans": len(spans),
+                 "params": [p.detach().flatten()[:3].tolist() for p in model.parameters()]}
+report_all(out)
+"""
+
+
+def test_buckets_that_fill_at_the_end_of_backward_are_reduced_there() -> None:
+    results = run_gathered(_AT_THE_END)
+    for got in results:
+        one, several = got["one bucket"], got["several"]
+        assert one["buckets"] == 1 and one["here"] == [True] * 3  # no thread hand-off
+        # the last bucket, once a step: here unless the thread still reduces the others
+        assert several["buckets"] > 2 and len(several["here"]) == 3
+        for case in (one, several):  # one number per step, a span per bucket and wait
+            assert case["numbered"] == 3
+            assert case["spans"] == 3 * (case["buckets"] + 1)
+    for name in ("one bucket", "several"):
+        assert results[0][name]["params"] == results[1][name]["params"]

@@ -191,20 +191,46 @@ class _CommThread:
         self.queue: queue.SimpleQueue[_Bucket] = queue.SimpleQueue()
         self.threaded = threaded
         self.busy = False
+        # buckets handed to the thread and not yet reduced (any thread may hand them)
+        self._outstanding = 0
+        self._count_lock = threading.Lock()
         if threaded:
             threading.Thread(target=self._run, name="mpilab-dp-comm", daemon=True).start()
 
     def submit(self, bucket: _Bucket) -> None:
         if self.threaded:
+            with self._count_lock:
+                self._outstanding += 1
             self.queue.put(bucket)
         else:
             self._process(bucket)
+
+    def reduce_here_if_idle(self, bucket: _Bucket) -> bool:
+        """Reduce `bucket` on the calling thread if the communication thread has nothing
+        to do; False (nothing done) otherwise.
+
+        For the buckets that fill at the end of backward: nothing is left to overlap
+        them with, and handing one to the thread only adds two thread switches and a
+        wake-up on a core the training uses (a 97k-parameter CNN has one bucket, and it
+        is such a one). The lock keeps the thread from being handed a bucket meanwhile:
+        one communicator, one collective at a time. Only a span records it, as on the
+        thread: whether a rank reduces here depends on timing, so it takes no number.
+        """
+        if not self.threaded:
+            return False
+        with self._count_lock:
+            if self._outstanding:
+                return False
+            self._process(bucket, numbered=False)
+        return True
 
     def _run(self) -> None:
         while True:
             bucket = self.queue.get()
             self.busy = True
             self._process(bucket)
+            with self._count_lock:
+                self._outstanding -= 1
             self.busy = False
 
     def recover(self) -> None:
@@ -221,19 +247,23 @@ class _CommThread:
                 break
             bucket.error = waiting.CollectiveAborted("dropped by recovery")
             bucket.done.set()
+            with self._count_lock:
+                self._outstanding -= 1
         while self.busy:
             time.sleep(0.001)
         self.comm = collectives.private_comm("data_parallel")  # renewed by recovery
 
-    def _process(self, bucket: _Bucket) -> None:
+    def _process(self, bucket: _Bucket, numbered: bool | None = None) -> None:
         start = time.perf_counter()
         try:
             if bucket.copied is not None:  # the device-to-host copy, polled
                 waiting.poll(bucket.copied.query)
-            shape = str(bucket.host.numel())
-            # numbered when reduced inline for the thread in backward; spans only on the
-            # communication thread, whose order is not the program's
-            with waiting.collective("dp_allreduce", bucket.nbytes, shape):
+            # numbered when reduced inline for the thread in backward (an MPI without
+            # threads: every bucket, on every rank); spans only on the communication
+            # thread, whose order is not the program's, and with numbered=False
+            with (waiting.collective("dp_allreduce", bucket.nbytes, bucket.host.shape)
+                  if numbered is None else agent_mod.current().collective(
+                      "dp_allreduce", bucket.nbytes, bucket.host.shape, numbered)):
                 self._reduce(bucket)
         except BaseException as e:  # noqa: BLE001 - re-raised on the training thread
             bucket.error = e
@@ -317,16 +347,23 @@ class _MPIGradSync:
         bucket.n_ready += 1
         self._launch_ready()
 
-    def _launch_ready(self) -> None:
-        """Start full buckets in index order, so every rank reduces them in one order."""
+    def _launch_ready(self, at_end: bool = False) -> None:
+        """Start full buckets in index order, so every rank reduces them in one order.
+
+        The last bucket waits for the end of backward (`at_end`, the step's numbered
+        wait, which heartbeats show): it fills as backward ends, so nothing is left to
+        overlap it with, and it is reduced on this thread where the communication thread
+        is idle (_CommThread.reduce_here_if_idle)."""
+        last = len(self.buckets) - 1
         while self.next_bucket < len(self.buckets):
             bucket = self.buckets[self.next_bucket]
-            if bucket.n_ready < len(bucket.params):
+            if bucket.n_ready < len(bucket.params) or (self.next_bucket == last
+                                                        and not at_end):
                 return
-            self._launch(bucket)
+            self._launch(bucket, at_end)
             self.next_bucket += 1
 
-    def _launch(self, bucket: _Bucket) -> None:
+    def _launch(self, bucket: _Bucket, at_end: bool = False) -> None:
         with torch.no_grad():  # already divided by world_size: no fp16 overflow
             if bucket.wire is not bucket.flat:
                 bucket.wire.copy_(bucket.flat)
@@ -335,7 +372,8 @@ class _MPIGradSync:
                 bucket.copied = torch.cuda.Event()
                 bucket.copied.record()
         self.clock.nbytes += bucket.nbytes
-        self.comm_thread.submit(bucket)
+        if not (at_end and self.comm_thread.reduce_here_if_idle(bucket)):
+            self.comm_thread.submit(bucket)
 
     def _finish(self) -> None:
         """End of backward (on whichever thread autograd ends it): reduce what no hook
@@ -352,14 +390,14 @@ class _MPIGradSync:
                         p.grad = bucket.slots[i]
                         bucket.ready[i] = True
                         bucket.n_ready += 1
-        self._launch_ready()
-        self.next_bucket = 0
         wait_start = time.perf_counter()
         # The training thread's wait is what the heartbeats and the watchdog see (the
         # comm thread's buckets only leave spans): one numbered collective per step,
         # whichever thread autograd runs this on.
         nbytes = sum(b.nbytes for b in self.buckets)
         with waiting.collective("dp_allreduce", nbytes, f"buckets={len(self.buckets)}"):
+            self._launch_ready(at_end=True)  # the rest: nothing left to overlap them with
+            self.next_bucket = 0
             for bucket in self.buckets:
                 while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
                     waiting.check_abort()
