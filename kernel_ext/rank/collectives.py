@@ -28,7 +28,7 @@ import ctypes
 import functools
 import inspect
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -236,7 +236,26 @@ class TensorPlan:
 
     __slots__ = ("ref", "ptr", "shape", "dtype", "comm", "nbytes", "size", "raw", "array",
                  "world", "floating", "reduce", "broadcast", "gather", "gathered_shape",
-                 "gathered_bytes")
+                 "gathered_bytes", "engine", "small")
+
+    def reducer(self, op: str) -> Callable[[np.ndarray], None]:
+        """The function that reduces `array` for `op` (sum, mean, max, min; a mean sums):
+        a one-shot of shared memory made for this tensor's size where there is one, else
+        the path's general function. Made once per op."""
+        run = self.small.get(op)
+        if run is None:
+            mpi_op, engine = _REDUCE[op], self.engine
+            run = engine.small_allreduce(self.array.dtype, self.array.size, mpi_op) \
+                if engine is not None else None
+            if run is None:
+                run = functools.partial(_call_with_op, self.reduce, mpi_op)
+            self.small[op] = run
+        return run
+
+
+def _call_with_op(reduce: Callable[[np.ndarray, str], None], op: str,
+                  array: np.ndarray) -> None:
+    reduce(array, op)
 
 
 _plans: dict[int, TensorPlan] = {}
@@ -278,8 +297,12 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.gathered_bytes = ctypes.c_char * (plan.nbytes * plan.size)
     route = plan_for(comm)
     plan.reduce = reducer(comm)
+    plan.engine = route.node if route.path == "shm" else None
+    plan.small = {}
     if route.path == "shm":
-        plan.broadcast, plan.gather = route.node.broadcast, route.node.allgather
+        engine = route.node
+        plan.broadcast = engine.small_broadcast(plan.nbytes) or engine.broadcast
+        plan.gather = engine.small_allgather(plan.nbytes) or engine.allgather
     else:
         plan.broadcast = functools.partial(_mpi_broadcast, comm)
         plan.gather = functools.partial(_mpi_allgather, comm)
@@ -319,8 +342,9 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
     if plan is not None and plan.array is not None and backend in _HOST_BACKENDS \
             and op in _REDUCE:
         # a CPU tensor over mpilab's MPI path: its plan, no per-call views or strings
+        run = plan.small.get(op) or plan.reducer(op)
         with waiting.collective("allreduce", plan.nbytes, plan.shape):
-            plan.reduce(plan.array, _REDUCE[op])
+            run(plan.array)
             if op == "mean":  # torch's division of the old path, bit for bit
                 (np.divide if plan.floating else np.floor_divide)(
                     plan.array, plan.world, out=plan.array)

@@ -35,6 +35,7 @@ import os
 import platform
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -218,6 +219,104 @@ class ShmEngine:
             except BaseException:
                 self._broken = True
                 raise
+
+    def small_allreduce(self, dtype: np.dtype, count: int, op: str,
+                        ) -> Callable[[np.ndarray], None] | None:
+        """allreduce(arr, op) for arrays of `count` elements of `dtype`, with what it
+        looks up made once: for a caller that reduces the same shape again and again
+        (mpilab.allreduce's plan of a tensor). None above the one-shot size."""
+        dtype = np.dtype(dtype)
+        if count * dtype.itemsize > self.oneshot_bytes:
+            return None
+        ufunc, me, lock = UFUNCS[op], self.rank, self._lock
+        views = self._views(dtype, count)
+        rest = tuple(v[2:] for v in views)
+
+        def run(arr: np.ndarray) -> None:
+            with lock:
+                if self._broken:
+                    self._refuse()
+                try:
+                    self._use += 1
+                    parity = self._use & 1
+                    srcs = views[parity]
+                    if self._owed:
+                        self._settle()
+                    np.copyto(srcs[me], arr)
+                    self.barrier()
+                    # the same order of operands on every rank: identical bits
+                    ufunc(srcs[0], srcs[1], out=arr)
+                    for src in rest[parity]:
+                        ufunc(arr, src, out=arr)
+                except BaseException:
+                    self._broken = True
+                    raise
+
+        return run
+
+    def small_broadcast(self, count: int) -> Callable[[np.ndarray, int], None] | None:
+        """broadcast(arr, root) for uint8 arrays of `count` bytes that fit in one piece,
+        with what it looks up made once (as small_allreduce). None for larger ones."""
+        if count > BROADCAST_PIECE_BYTES:
+            return None
+        views, lock, flags = self._views(np.dtype(np.uint8), count), self._lock, self._flags
+        me = self.rank
+
+        def run(arr: np.ndarray, root: int) -> None:
+            with lock:
+                if self._broken:
+                    self._refuse()
+                try:
+                    self._use += 1
+                    slot = views[self._use & 1][root]
+                    if me == root:
+                        if self._owed:
+                            self._settle()
+                        np.copyto(slot, arr)
+                        self._owed = self.arrive()
+                        return
+                    epoch = self.arrive()
+                    flag = flags[root]
+                    if flag[0] < epoch:
+                        _wait_flag(flag, epoch)
+                    if FENCES:
+                        self.win.Sync()  # acquire: the root's chunk after its flag
+                    np.copyto(arr, slot)
+                    self._owed = epoch
+                except BaseException:
+                    self._broken = True
+                    raise
+
+        return run
+
+    def small_allgather(self, count: int) -> Callable[[np.ndarray, np.ndarray], None] | None:
+        """allgather(send, recv) for uint8 arrays of `count` bytes that fit in one chunk,
+        with what it looks up made once (as small_allreduce). None for larger ones."""
+        if count > self.chunk_bytes:
+            return None
+        views, lock, me = self._views(np.dtype(np.uint8), count), self._lock, self.rank
+        parts = [(r, slice(r * count, (r + 1) * count)) for r in self._other_ranks]
+        mine = slice(me * count, (me + 1) * count)
+
+        def run(send: np.ndarray, recv: np.ndarray) -> None:
+            with lock:
+                if self._broken:
+                    self._refuse()
+                try:
+                    self._use += 1
+                    slots = views[self._use & 1]
+                    if self._owed:
+                        self._settle()
+                    np.copyto(slots[me], send)
+                    np.copyto(recv[mine], send)
+                    self.barrier()
+                    for r, part in parts:
+                        np.copyto(recv[part], slots[r])
+                except BaseException:
+                    self._broken = True
+                    raise
+
+        return run
 
     def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], ...]:
         """Per parity, every rank's slot as `count` elements of `dtype`: made once per
