@@ -34,8 +34,13 @@ def fresh_kernel():
 
 
 @pytest.fixture(scope="session")
-def lab(fresh_kernel):
-    """The shared 2-rank cluster (started once, stopped at the end of the session)."""
-    run = fresh_kernel.run("%mpilab start -n 2", timeout=180)
+def lab():
+    """The shared 2-rank cluster (started once, stopped at the end of the session), in a
+    kernel of its own: tests of a kernel without ranks (fresh_kernel) pass in any order."""
+    kernel = Kernel()
+    assert kernel.run("%load_ext mpilab").ok
+    run = kernel.run("%mpilab start -n 2", timeout=180)
     assert run.ok, run.text
-    return fresh_kernel
+    yield kernel
+    kernel.run("%mpilab stop")
+    kernel.shutdown()

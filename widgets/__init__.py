@@ -1,6 +1,6 @@
 """mpilab.widgets: live plotly dashboards of a training run, the cluster and benchmarks.
 
-Importing this package is cheap: plotly and ipywidgets are imported the first time a
+Importing this package is cheap: plotly and anywidget are imported the first time a
 name below is used, so `%load_ext mpilab` stays fast.
 """
 
