@@ -189,6 +189,17 @@ for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float
             bad.append(f"allgather {dtype} {count}")
 out["bad"] = bad
 out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
+# into a buffer: reused, returned; a transposed one is filled too; a wrong one is named
+buf = torch.zeros(n, 3)
+firsts = [mpilab.allgather(torch.full((3,), float(r + i)), out=buf) is buf for i in range(2)]
+out["out"] = [firsts, buf[:, 0].tolist()]
+side = torch.zeros(3, n).t()
+mpilab.allgather(torch.full((3,), float(r)), out=side)
+out["out_strided"] = side[:, 0].tolist()
+try:
+    mpilab.allgather(torch.ones(3), out=torch.zeros(n, 4))
+except ValueError as e:
+    out["out_error"] = str(e)
 
 # what the notebook receives: numbered spans with bytes, and a heartbeat's shape text
 probe._queue.clear()
@@ -261,6 +272,10 @@ def test_broadcast_and_allgather_over_shared_memory_every_size_and_dtype(plans: 
     for got in plans:
         assert got["bad"] == []
         assert got["scalar"] == [0.0, 1.0]
+        assert got["out"] == [[True, True], [1.0, 2.0]]
+        assert got["out_strided"] == [0.0, 1.0]
+        assert got["out_error"].startswith("allgather's out is [2, 4] torch.float32")
+        assert "\n" not in got["out_error"]
 
 
 def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: list) -> None:

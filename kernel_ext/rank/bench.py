@@ -209,9 +209,14 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
     count = effective_size(op, size, n) // 4
     part = count // n if op == "allgather" else count
     # zeros: an allreduce sums in place, hundreds of times; any other value would double
-    # each time and overflow (numpy warns on the ranks' stderr), for no difference in speed
+    # each time and overflow (numpy warns on the ranks' stderr), for no difference in speed.
+    # Written, not only allocated: np.zeros maps untouched pages to the kernel's one zero
+    # page, which a buffer that is only read (a broadcast's root, an allgather's input)
+    # would read from cache, whatever its size.
     send = np.zeros(part, np.float32)
+    send.fill(0)
     recv = np.zeros(count, np.float32) if op == "allgather" else send
+    recv.fill(0)
 
     if backend == "mpi":
         from mpi4py import MPI
@@ -221,14 +226,14 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
             "broadcast": lambda: comm.Bcast(send, root=0),
             "allgather": lambda: comm.Allgather(send, recv),
         }[op]
-    if backend == "mpilab":  # what a user calls
+    if backend == "mpilab":  # what a user calls (allgather into a buffer, as the others)
         from . import collectives
 
-        t_send = torch.from_numpy(send)
+        t_send, t_recv = torch.from_numpy(send), torch.from_numpy(recv).view(n, -1)
         return {
             "allreduce": lambda: collectives.allreduce(t_send),
             "broadcast": lambda: collectives.broadcast(t_send, root=0),
-            "allgather": lambda: collectives.allgather(t_send),
+            "allgather": lambda: collectives.allgather(t_send, out=t_recv),
         }[op]
     if backend == "mpilab-internal":  # the NumPy-level path under it
         from . import collectives

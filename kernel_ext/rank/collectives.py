@@ -299,13 +299,12 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.reduce = reducer(comm)
     plan.engine = route.node if route.path == "shm" else None
     plan.small = {}
-    if route.path == "shm":
-        engine = route.node
-        plan.broadcast = engine.small_broadcast(plan.nbytes) or engine.broadcast
-        plan.gather = engine.small_allgather(plan.nbytes) or engine.allgather
-    else:
-        plan.broadcast = functools.partial(_mpi_broadcast, comm)
-        plan.gather = functools.partial(_mpi_allgather, comm)
+    # broadcast and allgather stay on MPI: the shared-memory engine's epochs do not say
+    # which collective a rank is in, so a broadcast on one rank would complete against
+    # an allreduce on another (wrong data, no error) where MPI's hang lets the watchdog
+    # report the mismatch and release the ranks
+    plan.broadcast = functools.partial(_mpi_broadcast, comm)
+    plan.gather = functools.partial(_mpi_allgather, comm)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -419,33 +418,59 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     return tensor
 
 
-def allgather(tensor: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """Every rank's `tensor` stacked: a new tensor of shape [world_size, *tensor.shape]."""
+def allgather(tensor: torch.Tensor, backend: str = "auto",
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """Every rank's `tensor` stacked: a tensor of shape [world_size, *tensor.shape].
+
+    A new one, or `out` (that shape, dtype and device) filled and returned: a buffer
+    reused across calls costs no allocation, which for tensors of tens of MiB means
+    thousands of page faults per call.
+    """
     plan = tensor_plan(tensor)
     if plan is not None and backend in _HOST_BACKENDS:
-        out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
+        if out is None:
+            out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
+            recv = np.frombuffer(plan.gathered_bytes.from_address(out.data_ptr()), np.uint8)
+        else:
+            target = tensor_plan(out)
+            if (target is None or target.shape != plan.gathered_shape
+                    or target.dtype is not plan.dtype):
+                return _allgather(tensor, backend, out)
+            recv = target.raw
         with waiting.collective("allgather", plan.nbytes, plan.shape):
-            plan.gather(plan.raw, np.frombuffer(plan.gathered_bytes.from_address(
-                out.data_ptr()), np.uint8))
+            plan.gather(plan.raw, recv)
         return out
+    return _allgather(tensor, backend, out)
+
+
+def _allgather(tensor: torch.Tensor, backend: str, out: torch.Tensor | None) -> torch.Tensor:
     ctx = bootstrap.context()
     chosen = resolve_backend(backend, tensor)
-    out = torch.empty((ctx.world_size, *tensor.shape), dtype=tensor.dtype,
-                      device=tensor.device)
+    shape = (ctx.world_size, *tensor.shape)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != tensor.dtype
+                            or out.device != tensor.device):
+        raise ValueError(
+            f"allgather's out is {list(out.shape)} {out.dtype} on {out.device}, but the "
+            f"result is {list(shape)} {tensor.dtype} on {tensor.device}: pass a tensor "
+            "of that shape, dtype and device, or no out")
+    result = out if out is not None and out.is_contiguous() else \
+        torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
     with waiting.collective("allgather", tensor_bytes(tensor), tensor.shape), \
             torch.no_grad():
         if chosen == "mpi":
             send = _host_buffer(tensor, tensor.dtype)
-            recv = out if out.device.type == "cpu" else \
-                torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            recv = result if result.device.type == "cpu" else \
+                torch.empty(shape, dtype=result.dtype, pin_memory=True)
             wait_interruptibly(private_comm().Iallgather(_as_bytes(send), _as_bytes(recv)))
-            _copy_back(out, recv)
+            _copy_back(result, recv)
         else:
             import torch.distributed as dist
 
-            wait_work(dist.all_gather(list(out.unbind(0)), tensor.contiguous(),
+            wait_work(dist.all_gather(list(result.unbind(0)), tensor.contiguous(),
                                       async_op=True))
-    return out
+        if out is not None and result is not out:
+            out.copy_(result)
+    return out if out is not None else result
 
 
 def barrier(backend: str = "auto") -> None:
@@ -454,11 +479,7 @@ def barrier(backend: str = "auto") -> None:
     chosen = resolve_backend(backend, None)
     with waiting.collective("barrier"):
         if chosen == "mpi":
-            route = plan_for(private_comm())
-            if route.path == "shm":
-                route.node.sync()  # MPI's Ibarrier, polled, takes ~50 µs on one node
-            else:
-                wait_interruptibly(private_comm().Ibarrier())
+            wait_interruptibly(private_comm().Ibarrier())  # see _make_plan: not the engine's
         else:
             import torch.distributed as dist
 
