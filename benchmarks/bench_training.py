@@ -73,12 +73,14 @@ def build(cfg: BenchConfig):
     return model, x, torch.randint(0, 10, (cfg.batch,))
 
 
-def train(model, x, y, cfg: BenchConfig, barrier, group: FileGroup | None = None) -> float:
+def train(model, x, y, cfg: BenchConfig, barrier, group: FileGroup | None = None,
+          step_times: list[float] | None = None) -> float:
     """Seconds for cfg.steps SGD steps after cfg.warmup (slowest rank's view).
 
     With a `group` (independent processes): the steps are timed from when every process
     of the group has warmed up, and a process done with them goes on training until
-    every other one is done too, so each is timed while all cores are busy."""
+    every other one is done too, so each is timed while all cores are busy; each timed
+    step's seconds go to `step_times`."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -96,7 +98,10 @@ def train(model, x, y, cfg: BenchConfig, barrier, group: FileGroup | None = None
     barrier()
     start = time.perf_counter()
     for _ in range(cfg.steps):
+        before = time.perf_counter()
         step()
+        if step_times is not None:
+            step_times.append(time.perf_counter() - before)
     if group is not None:
         elapsed = time.perf_counter() - start
         group.arrive("done")
@@ -131,6 +136,7 @@ def worker(way: str, cfg: BenchConfig) -> None:
     """Runs inside each launched process; rank 0 prints the result line."""
     import torch
 
+    step_times: list[float] = []
     if way.startswith("mpilab"):
         import mpilab
 
@@ -155,11 +161,13 @@ def worker(way: str, cfg: BenchConfig) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
         model, x, y = build(cfg)
         spec = os.environ.get("MPILAB_BENCH_GROUP")
-        elapsed = train(model, x, y, cfg, lambda: None, FileGroup(spec) if spec else None)
+        elapsed = train(model, x, y, cfg, lambda: None, FileGroup(spec) if spec else None,
+                        step_times)
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(MARK + json.dumps({"way": way, "samples_s": cfg.steps * cfg.batch * world / elapsed,
-                                 "step_ms": 1000 * elapsed / cfg.steps, "params": params}),
+                                 "step_ms": 1000 * elapsed / cfg.steps, "params": params,
+                                 "steps_s": step_times}),
               flush=True)
 
 
@@ -200,8 +208,12 @@ def _independent(args: list[str], cfg: BenchConfig, env: dict) -> dict:
             stdout, stderr = proc.communicate(timeout=600)
             results.append(_result("independent", proc.returncode, stdout, stderr))
     total = sum(r["samples_s"] for r in results)
+    # the same steps as if each had waited for the slowest, step by step: what their own
+    # ups and downs would cost synchronous training, with no communication at all
+    paired = sum(max(steps) for steps in zip(*(r["steps_s"] for r in results)))
     return {"way": "independent", "samples_s": total,
-            "step_ms": max(r["step_ms"] for r in results), "params": results[0]["params"]}
+            "step_ms": max(r["step_ms"] for r in results), "params": results[0]["params"],
+            "paired_samples_s": cfg.steps * cfg.batch * cfg.ranks / paired}
 
 
 def main() -> None:
@@ -241,8 +253,10 @@ def main() -> None:
               f"mpilab-torch / torchrun-ddp = {tch / ddp:.2f}x   "
               f"scaling efficiency (mpilab-mpi, {a.ranks} ranks vs 1 process) = "
               f"{100 * mpi / (a.ranks * one):.0f}%   "
-              f"({a.ranks} independent processes: {100 * apart / (a.ranks * one):.0f}%; "
-              f"mpilab-mpi of that: {100 * mpi / apart:.0f}%)")
+              f"({a.ranks} independent processes: {100 * apart / (a.ranks * one):.0f}%, "
+              f"their steps paired as if synchronised: "
+              f"{100 * got['independent']['paired_samples_s'] / (a.ranks * one):.0f}%; "
+              f"mpilab-mpi of the independent: {100 * mpi / apart:.0f}%)")
         per_round = [r["mpilab-mpi"]["samples_s"] / r["torchrun-ddp"]["samples_s"]
                      for r in runs]
         print(f"{name:6} mpilab-mpi / torchrun-ddp in each round: "
