@@ -34,13 +34,29 @@ def fresh_kernel():
 
 
 @pytest.fixture(scope="session")
-def lab():
-    """The shared 2-rank cluster (started once, stopped at the end of the session), in a
-    kernel of its own: tests of a kernel without ranks (fresh_kernel) pass in any order."""
+def _lab_kernel():
     kernel = Kernel()
     assert kernel.run("%load_ext mpilab").ok
-    run = kernel.run("%mpilab start -n 2", timeout=180)
-    assert run.ok, run.text
     yield kernel
     kernel.run("%mpilab stop")
     kernel.shutdown()
+
+
+READY_CODE = """
+from mpilab.session import Session as _S
+print(_S.instance().cluster.running and not _S.instance().cluster.dead)
+"""
+
+
+@pytest.fixture
+def lab(_lab_kernel):
+    """The shared 2-rank cluster, in a kernel of its own (tests of a kernel without ranks,
+    fresh_kernel, pass in any order). Started by the first test that asks, and again for
+    a test that finds it stopped or with a dead rank (a test before it may have ended it):
+    each test gets running ranks whatever ran before."""
+    ready = _lab_kernel.run(READY_CODE)
+    if ready.stdout.strip() != "True":
+        _lab_kernel.run("%mpilab stop", timeout=120)
+        run = _lab_kernel.run("%mpilab start -n 2", timeout=180)
+        assert run.ok, run.text
+    return _lab_kernel
