@@ -305,3 +305,44 @@ def test_span_rows_and_shape_text_match_the_records_they_replace() -> None:
     assert agent_mod.shape_text(torch.Size([2, 3])) == "2x3"
     assert agent_mod.shape_text(()) == "scalar"
     assert agent_mod.shape_text("buckets=2") == "buckets=2"
+
+
+_MISMATCH = """
+import threading, time
+import torch
+from mpilab.rank import waiting
+
+def released(fn):
+    # a mismatch must wait (as MPI's collectives would) until the watchdog releases it
+    timer = threading.Timer(0.5, waiting.abort, ("released",))
+    timer.start()
+    start = time.perf_counter()
+    try:
+        fn()
+        outcome = "completed"
+    except waiting.CollectiveAborted as e:
+        outcome = str(e)
+    ctx.comm.Barrier()
+    waiting.recover()
+    return [outcome, time.perf_counter() - start >= 0.4]
+
+r = ctx.rank
+x = torch.ones(3)
+out = {
+    "ops": released(lambda: mpilab.allreduce(x) if r == 0 else mpilab.broadcast(x)),
+    "sizes": released(lambda: mpilab.allreduce(torch.ones(3 + r))),
+    "reductions": released(lambda: mpilab.allreduce(x, op="max" if r else "sum")),
+    "roots": released(lambda: mpilab.broadcast(torch.ones(4), root=r)),
+    "gather_barrier": released(lambda: mpilab.allgather(x) if r else mpilab.barrier()),
+}
+out["after"] = mpilab.allreduce(torch.ones(2)).tolist()
+report(out)
+"""
+
+
+def test_ranks_in_different_collectives_wait_to_be_released() -> None:
+    for got in run_ranks(_MISMATCH, n=2):
+        after = got.pop("after")
+        assert after == [2.0, 2.0]
+        for case, outcome in got.items():
+            assert outcome == ["released", True], case

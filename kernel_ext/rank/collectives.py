@@ -299,12 +299,17 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.reduce = reducer(comm)
     plan.engine = route.node if route.path == "shm" else None
     plan.small = {}
-    # broadcast and allgather stay on MPI: the shared-memory engine's epochs do not say
-    # which collective a rank is in, so a broadcast on one rank would complete against
-    # an allreduce on another (wrong data, no error) where MPI's hang lets the watchdog
-    # report the mismatch and release the ranks
-    plan.broadcast = functools.partial(_mpi_broadcast, comm)
-    plan.gather = functools.partial(_mpi_allgather, comm)
+    if route.path == "shm":
+        # one-shots made for this size where it fits in one piece or chunk. The engine's
+        # ranks announce which collective they are in with every arrival: ranks in
+        # different collectives at the same number wait, as MPI's would, until the
+        # watchdog names the mismatch (they never complete against each other)
+        engine = route.node
+        plan.broadcast = engine.small_broadcast(plan.nbytes) or engine.broadcast
+        plan.gather = engine.small_allgather(plan.nbytes) or engine.allgather
+    else:
+        plan.broadcast = functools.partial(_mpi_broadcast, comm)
+        plan.gather = functools.partial(_mpi_allgather, comm)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -479,7 +484,11 @@ def barrier(backend: str = "auto") -> None:
     chosen = resolve_backend(backend, None)
     with waiting.collective("barrier"):
         if chosen == "mpi":
-            wait_interruptibly(private_comm().Ibarrier())  # see _make_plan: not the engine's
+            route = plan_for(private_comm())
+            if route.path == "shm":
+                route.node.sync()  # MPI's Ibarrier, polled, takes ~50 µs on one node
+            else:
+                wait_interruptibly(private_comm().Ibarrier())
         else:
             import torch.distributed as dist
 

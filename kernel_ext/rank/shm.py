@@ -7,7 +7,7 @@ shared window, with NumPy kernels (which release the GIL) and one flag barrier p
 
 Layout of each rank's segment of the window::
 
-    [flag: one int64 in its own 64-byte cache line][slot 0: chunk_bytes][slot 1: chunk_bytes]
+    [flag: int64, then 4 int64 signatures, in one 64-byte cache line][slot 0][slot 1]
 
 Synchronisation: a barrier is "bump my flag to the next epoch (arrive), wait until every
 flag has reached it" (monotonic counters, so no reset race). `Win.Sync` around it is the
@@ -15,12 +15,21 @@ memory barrier MPI's unified model asks for, except on x86-64, whose memory mode
 already keeps stores in order with stores and loads with loads (all the flag protocol
 needs: slot writes before the flag write, the flag read before slot reads); each call
 into MPI costs ~0.15 µs of a 2-µs collective. A broadcast needs less: the receivers wait
-for the root's flag alone, and the root waits for nobody; each owes the rest of the
-barrier (`_owed`) until it next writes a slot (`_settle`), by which time the others have
-usually arrived. So a root runs up to one chunk ahead of its receivers, and a broadcast
-costs about one copy, not the root's copy and then the receivers'. Waiting polls in
-Python with yields and short sleeps, so a KeyboardInterrupt lands within a millisecond
-or so.
+for the root's arrival alone and copy; the root waits only for the receivers' arrivals,
+which they make as they start, before they copy. So the root copies the next chunk (or
+the next call's data) in while the receivers copy this one out, and a broadcast costs
+about one copy, not the root's copy and then the receivers'. A receiver owes the rest of
+the barrier (`_owed`: that the other receivers arrived) and settles it at the start of
+its next collective (`_settle`), so no rank is ever more than one epoch ahead of another.
+
+With each arrival a rank announces which collective it is in (a signature: the kind,
+the reduction, a broadcast's root, the bytes; kept by epoch). A rank that finds another
+arrived at the same epoch in a different collective does not complete against it (that
+would give wrong data and no error): it waits, as MPI's own collectives would, until the
+notebook's watchdog names the mismatch from the heartbeats and releases the ranks.
+
+Waiting polls in Python with yields and short sleeps, so a KeyboardInterrupt lands
+within a millisecond or so.
 
 Slot reuse rule (why two slots are enough): every use of a slot (one chunk of a
 collective) takes the next parity, alternating across chunks and across calls. Between
@@ -53,6 +62,15 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
+_KIND_CODES = {"sum": 1, "max": 2, "min": 3, "broadcast": 4, "allgather": 5, "barrier": 6}
+_RING = 4  # signatures kept per rank, by epoch (ranks are at most one epoch apart)
+
+
+def signature(kind: str, nbytes: int, root: int = 0) -> int:
+    """What a rank announces with an arrival: the collective (an allreduce by its
+    reduction), a broadcast's root and the bytes, in one int64."""
+    return _KIND_CODES[kind] | root << 8 | nbytes << 24
+
 # Win.Sync as a memory barrier where the hardware reorders stores or loads (see above)
 FENCES = platform.machine().lower() not in ("x86_64", "amd64")
 
@@ -63,6 +81,15 @@ _MAX_SLEEP_S = 0.001
 
 class ShmBroken(RuntimeError):
     """An earlier collective on this window stopped half-way; the ranks are out of step."""
+
+
+def _mismatched() -> None:
+    """Another rank arrived here in a different collective: wait, interruptibly, for the
+    release (the watchdog's mismatch report aborts the waits, Ctrl-C interrupts them);
+    never complete with data that belongs to another collective."""
+    while True:
+        check_abort()
+        time.sleep(0.005)
 
 
 def _wait_flag(flag: memoryview, target: int) -> None:
@@ -105,24 +132,29 @@ class ShmEngine:
         # flags as int64 memoryviews: reading one costs a third of a NumPy scalar read,
         # and a small allreduce reads them in its spin loop
         self._flags: list[memoryview] = []
+        self._sigs: list[memoryview] = []
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []
         for r in range(self.size):
             buf, _ = self.win.Shared_query(r)
             raw = np.frombuffer(buf, np.uint8, count=segment)
             self._flags.append(memoryview(raw[:8]).cast("q"))
+            self._sigs.append(memoryview(raw[8 : 8 * (1 + _RING)]).cast("q"))
             body = raw[CACHE_LINE:]
             self._slots.append((body[: self.chunk_bytes], body[self.chunk_bytes :]))
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._small_views: dict[tuple[np.dtype, int], tuple[list[np.ndarray], ...]] = {}
         self._flags[self.rank][0] = 0
-        self._others = [f for r, f in enumerate(self._flags) if r != self.rank]
+        self._flag, self._sig_ring = self._flags[self.rank], self._sigs[self.rank]
         self._other_ranks = [r for r in range(self.size) if r != self.rank]
+        self._others = [(self._flags[r], self._sigs[r]) for r in self._other_ranks]
         # Below this, saving a barrier matters more than the (n-1)× redundant arithmetic
         # of every rank reducing everything (2 ranks: one-shot 40 µs against 63 µs for
         # reduce-scatter/all-gather at 128 KiB, even at 512 KiB).
         self.oneshot_bytes = min(self.chunk_bytes, (256 << 10) // (self.size - 1))
         self._epoch = 0
+        self._sig = 0  # the signature of the collective in progress
         self._owed = 0  # an epoch this rank arrived at without waiting for the others
+        self._owed_sig = 0  # and the signature it arrived with
         self._use = 0
         self._lock = threading.Lock()
         self._broken = False
@@ -138,35 +170,63 @@ class ShmEngine:
 
     # -- synchronisation ---------------------------------------------------------------
     def arrive(self) -> int:
-        """Bump this rank's flag to the next epoch (after its slot writes); returns it."""
+        """Bump this rank's flag to the next epoch (after its slot writes), announcing
+        the collective in progress (self._sig); returns the epoch."""
         self._epoch += 1
         epoch = self._epoch
+        self._sig_ring[epoch & 3] = self._sig
         if FENCES:
             self.win.Sync()  # release: my slot writes are visible before my flag
-        self._flags[self.rank][0] = epoch
+        self._flag[0] = epoch
         return epoch
 
     def barrier(self) -> None:
         epoch = self.arrive()
-        for flag in self._others:
+        sig = self._sig
+        for flag, sigs in self._others:
             if flag[0] < epoch:
                 _wait_flag(flag, epoch)
+            if sigs[epoch & 3] != sig:
+                _mismatched()
         self._owed = 0  # every flag is past it now
         if FENCES:
             self.win.Sync()  # acquire: read the others' slots only after their flags
 
+    def _wait_arrivals(self, epoch: int) -> None:
+        """A broadcast's root: wait until every receiver has arrived at `epoch` (not for
+        their copies: they arrive before they copy), checking that they are in this
+        broadcast. The receivers arrive as they start, so this seldom waits."""
+        sig = self._sig
+        for flag, sigs in self._others:
+            if flag[0] < epoch:
+                _wait_flag(flag, epoch)
+            if sigs[epoch & 3] != sig:
+                _mismatched()
+
+    def _wait_root(self, root: int, epoch: int) -> None:
+        """A broadcast's receiver: wait for the root's arrival alone."""
+        flag = self._flags[root]
+        if flag[0] < epoch:
+            _wait_flag(flag, epoch)
+        if self._sigs[root][epoch & 3] != self._sig:
+            _mismatched()
+        if FENCES:
+            self.win.Sync()  # acquire: the root's chunk after its flag
+
     def _settle(self) -> None:
-        """Before writing a slot: the wait a broadcast left owing. Every other rank has
-        then arrived where this one did, so it has read what it was to read of the slot
-        parity about to be written (the reads of a use end before the next arrival)."""
-        owed = self._owed
-        if owed:
-            for flag in self._others:
-                if flag[0] < owed:
-                    _wait_flag(flag, owed)
-            self._owed = 0
-            if FENCES:
-                self.win.Sync()
+        """At the start of a collective: the wait a broadcast left owing. Every other
+        rank has then arrived where this one did, so it has read what it was to read of
+        the slot parity about to be written (the reads of a use end before the next
+        arrival), and no rank gets more than one epoch ahead."""
+        owed, sig = self._owed, self._owed_sig
+        for flag, sigs in self._others:
+            if flag[0] < owed:
+                _wait_flag(flag, owed)
+            if sigs[owed & 3] != sig:
+                _mismatched()
+        self._owed = 0
+        if FENCES:
+            self.win.Sync()
 
     def _typed_slots(self, dtype: np.dtype) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank, both slots viewed as `dtype`: made once (a view costs ~1 µs)."""
@@ -208,13 +268,14 @@ class ShmEngine:
         the hierarchical allreduce), which saves the other ranks' copy-out.
         """
         if arr.nbytes > self.oneshot_bytes:
-            self._run(self._rsag, arr, UFUNCS[op], to_root_only)
+            self._run(self._rsag, arr, UFUNCS[op], to_root_only, signature(op, arr.nbytes))
             return
         # _run inlined: a 4 KiB allreduce takes ~4 µs, and every call level is ~0.1 µs
         with self._lock:
             if self._broken:
                 self._refuse()
             try:
+                self._sig = signature(op, arr.nbytes)
                 self._oneshot(arr, UFUNCS[op])
             except BaseException:
                 self._broken = True
@@ -231,12 +292,14 @@ class ShmEngine:
         ufunc, me, lock = UFUNCS[op], self.rank, self._lock
         views = self._views(dtype, count)
         rest = tuple(v[2:] for v in views)
+        sig = signature(op, count * dtype.itemsize)
 
         def run(arr: np.ndarray) -> None:
             with lock:
                 if self._broken:
                     self._refuse()
                 try:
+                    self._sig = sig
                     self._use += 1
                     parity = self._use & 1
                     srcs = views[parity]
@@ -259,30 +322,27 @@ class ShmEngine:
         with what it looks up made once (as small_allreduce). None for larger ones."""
         if count > BROADCAST_PIECE_BYTES:
             return None
-        views, lock, flags = self._views(np.dtype(np.uint8), count), self._lock, self._flags
-        me = self.rank
+        views, lock = self._views(np.dtype(np.uint8), count), self._lock
+        me, base = self.rank, signature("broadcast", count)
 
         def run(arr: np.ndarray, root: int) -> None:
             with lock:
                 if self._broken:
                     self._refuse()
                 try:
+                    self._sig = sig = base | root << 8
                     self._use += 1
                     slot = views[self._use & 1][root]
+                    if self._owed:
+                        self._settle()
                     if me == root:
-                        if self._owed:
-                            self._settle()
                         np.copyto(slot, arr)
-                        self._owed = self.arrive()
+                        self._wait_arrivals(self.arrive())
                         return
                     epoch = self.arrive()
-                    flag = flags[root]
-                    if flag[0] < epoch:
-                        _wait_flag(flag, epoch)
-                    if FENCES:
-                        self.win.Sync()  # acquire: the root's chunk after its flag
+                    self._wait_root(root, epoch)
                     np.copyto(arr, slot)
-                    self._owed = epoch
+                    self._owed, self._owed_sig = epoch, sig
                 except BaseException:
                     self._broken = True
                     raise
@@ -297,12 +357,14 @@ class ShmEngine:
         views, lock, me = self._views(np.dtype(np.uint8), count), self._lock, self.rank
         parts = [(r, slice(r * count, (r + 1) * count)) for r in self._other_ranks]
         mine = slice(me * count, (me + 1) * count)
+        sig = signature("allgather", count)
 
         def run(send: np.ndarray, recv: np.ndarray) -> None:
             with lock:
                 if self._broken:
                     self._refuse()
                 try:
+                    self._sig = sig
                     self._use += 1
                     slots = views[self._use & 1]
                     if self._owed:
@@ -344,7 +406,7 @@ class ShmEngine:
         for s in srcs[2:]:
             ufunc(arr, s, out=arr)
 
-    def _rsag(self, arr: np.ndarray, ufunc, to_root_only: bool) -> None:
+    def _rsag(self, arr: np.ndarray, ufunc, to_root_only: bool, sig: int) -> None:
         """Reduce-scatter then all-gather, chunk by chunk, one barrier per chunk.
 
         Chunk j is split into one slice per rank; rank r owns slice r. Phase j (between
@@ -408,7 +470,9 @@ class ShmEngine:
             for dst, src in phases[k][3]:
                 np.copyto(dst, src)
 
-        self._settle()
+        self._sig = sig
+        if self._owed:
+            self._settle()
         copy_in(0)
         self.barrier()
         for j in range(len(phases)):
@@ -433,26 +497,21 @@ class ShmEngine:
         step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
         count = min(step, arr.size)
         views = self._views(dt, count)
-        if self.rank == root:
-            for start in range(0, arr.size, step):
-                self._use += 1
-                chunk = arr[start : start + step] if count < arr.size else arr
-                if self._owed:
-                    self._settle()
-                np.copyto(views[self._use & 1][root][: chunk.size], chunk)
-                self._owed = self.arrive()
-            return
-        flag = self._flags[root]
+        self._sig = sig = signature("broadcast", arr.nbytes, root)
         for start in range(0, arr.size, step):
             self._use += 1
             chunk = arr[start : start + step] if count < arr.size else arr
-            epoch = self.arrive()
-            if flag[0] < epoch:
-                _wait_flag(flag, epoch)
-            if FENCES:
-                self.win.Sync()  # acquire: the root's chunk after its flag
-            np.copyto(chunk, views[self._use & 1][root][: chunk.size])
-            self._owed = epoch
+            slot = views[self._use & 1][root][: chunk.size]
+            if self._owed:
+                self._settle()
+            if self.rank == root:
+                np.copyto(slot, chunk)
+                self._wait_arrivals(self.arrive())
+            else:
+                epoch = self.arrive()
+                self._wait_root(root, epoch)
+                np.copyto(chunk, slot)
+                self._owed, self._owed_sig = epoch, sig
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Every node rank's 1-D contiguous `send` into `recv`, in node-rank order
@@ -470,6 +529,7 @@ class ShmEngine:
             return
         step = self.chunk_bytes // send.dtype.itemsize
         others = self._other_ranks
+        self._sig = signature("allgather", send.nbytes)
         if self._owed:
             self._settle()
         if m <= step:  # one chunk (small messages): one barrier, views made once
@@ -502,4 +562,10 @@ class ShmEngine:
 
     def sync(self) -> None:
         """A barrier of the node's ranks (one flag each; interruptible like the rest)."""
-        self._run(self.barrier)
+        self._run(self._sync)
+
+    def _sync(self) -> None:
+        self._sig = signature("barrier", 0)
+        if self._owed:
+            self._settle()
+        self.barrier()
