@@ -75,7 +75,12 @@ def signature(kind: str, nbytes: int, root: int = 0) -> int:
 FENCES = platform.machine().lower() not in ("x86_64", "amd64")
 
 _HOT_SPINS = 256  # ~10 µs of pure polling: the partner usually arrives within that
-_YIELD_S = 0.001  # then give the core away (3 ranks on 2 cores must not starve)
+# then yield the core (3 ranks on 2 cores must not starve) for up to 5 ms before
+# sleeping: a rank that sleeps wakes up to ~1 ms late, and its peer waits for it at the
+# next barrier. DataParallel's ranks reach the end-of-step allreduce a few ms apart
+# (their steps vary); yielding for 5 ms rather than 1 gave 0-1.7% faster CNN steps
+# (2 ranks, same processes, interleaved blocks, three runs)
+_YIELD_S = 0.005
 _MAX_SLEEP_S = 0.001
 
 
