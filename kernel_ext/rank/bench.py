@@ -11,7 +11,10 @@ algbw = size / time; busbw = algbw × 2(n-1)/n for allreduce, × (n-1)/n for all
 Backends: ``mpilab`` is what a user calls, ``mpilab.allreduce / broadcast / allgather``
 on a CPU tensor; ``mpilab-internal`` the NumPy-level path under it (allreduce_inplace,
 the shared-memory engine's broadcast and allgather), to show what the public call adds;
-``mpi`` mpi4py's blocking calls; ``gloo`` and ``nccl`` torch.distributed's.
+``mpi`` mpi4py's blocking calls; ``gloo`` and ``nccl`` torch.distributed's. ``memory``
+(allreduce only) is no collective: every rank reads and writes back its buffer in place
+at once, the least an allreduce must do with it, timed in turn with the others: the
+most an allreduce can reach on this node at that size, in that run.
 
 The memory-copy figure (the ceiling): ``memcpy_bandwidth()``, the bytes one core copies
 per second with ``np.copyto`` between two buffers of MEMCPY_BYTES (far beyond any
@@ -34,7 +37,7 @@ from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
 OPS = ("allreduce", "broadcast", "allgather")
-BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl")
+BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WARMUP = 2
@@ -138,7 +141,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     rows: list[dict] = []
     running = []
     for backend in backends:
-        note = _unavailable(backend)
+        note = _unavailable_for(op, backend)
         if note:
             rows.append({"op": op, "backend": backend, "size_bytes": None, "time_s": None,
                          "algbw_GBps": None, "busbw_GBps": None, "note": note})
@@ -202,6 +205,12 @@ def _unavailable(backend: str) -> str | None:
     return None
 
 
+def _unavailable_for(op: str, backend: str) -> str | None:
+    if backend == "memory" and op != "allreduce":
+        return "skipped: the memory bound is an allreduce's (each rank's buffer in place)"
+    return _unavailable(backend)
+
+
 _gloo_group = None
 
 
@@ -251,6 +260,8 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
             "broadcast": lambda: collectives.broadcast(t_send, root=0),
             "allgather": lambda: collectives.allgather(t_send, out=t_recv),
         }[op]
+    if backend == "memory":  # no collective: each rank's buffer read and written in place
+        return lambda: np.multiply(send, 1.0, out=send)
     if backend == "mpilab-internal":  # the NumPy-level path under it
         from . import collectives
         from .fast_allreduce import plan_for
