@@ -182,7 +182,7 @@ BENCH = """
 from mpilab.rank import bench
 
 rows = {op: bench.run_bench(op, [4096, 65536], ["mpilab", "mpilab-internal", "mpi", "gloo",
-                                                 "nccl"], repeats=2)
+                                                 "nccl", "memory"], repeats=2)
         for op in ("allreduce", "broadcast", "allgather")}
 report_in_turn({"rows": rows, "memcpy": bench.memcpy_bandwidth(1 << 20, repeats=2)})
 """
@@ -195,9 +195,15 @@ def test_run_bench_rows_follow_nccl_tests():
     assert results[0]["memcpy"] > 0
     factor = {"allreduce": 1.0, "broadcast": 1.0, "allgather": 0.5}  # 2(n-1)/n, 1, (n-1)/n
     for op, rows in results[0]["rows"].items():
-        measured = [r for r in rows if r["backend"] != "nccl"]
+        measured = [r for r in rows if r["time_s"] is not None]
+        # the memory bound (no collective) is an allreduce's only
+        backends = ("mpilab", "mpilab-internal", "mpi", "gloo") + (
+            ("memory",) if op == "allreduce" else ())
         assert [(r["backend"], r["size_bytes"]) for r in measured] == [
-            (b, s) for b in ("mpilab", "mpilab-internal", "mpi", "gloo") for s in (4096, 65536)]
+            (b, s) for b in backends for s in (4096, 65536)]
+        if op != "allreduce":
+            (memory,) = [r for r in rows if r["backend"] == "memory"]
+            assert memory["note"].startswith("skipped")
         for r in measured:
             assert r["op"] == op and r["time_s"] > 0
             assert r["algbw_GBps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9)
