@@ -89,22 +89,6 @@ def memcpy_bandwidth(size: int = MEMCPY_BYTES, repeats: int = 5) -> float:
     return copy_bandwidth(max(size, MEMCPY_BYTES), repeats)
 
 
-def pass_bandwidth(size: int = MEMCPY_BYTES, repeats: int = 5) -> float:
-    """Bytes per second one core reads and writes back in place (``buf *= 1`` over
-    `size` bytes, MEMCPY_BYTES by default), in GB/s: the least an allreduce must do with
-    each rank's buffer (read it, write the result into it). Unlike a copy, it writes
-    only lines it has just read, so it streams 2 bytes per byte where a copy streams 3
-    (read, read-for-ownership of the line written, write)."""
-    buf = np.ones(max(1, size // 4), np.float32)
-    times = []
-    for i in range(_WARMUP + repeats):
-        t0 = time.perf_counter()
-        np.multiply(buf, 1.0, out=buf)
-        if i >= _WARMUP:
-            times.append(time.perf_counter() - t0)
-    return buf.nbytes / statistics.median(times) / 1e9
-
-
 def copy_bandwidth(size: int, repeats: int = 10) -> float:
     """This core's copy rate in GB/s for `size`-byte buffers: above the last-level cache
     the DRAM rate, below it the cache's (faster)."""
