@@ -12,6 +12,7 @@ import re
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import psutil
 
@@ -22,18 +23,20 @@ DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
 # local ranks: how often their processes are looked at (psutil reads /proc several times
-# a rank: on every relay tick that was most of what the notebook did while a cell ran)
+# a rank, too dear for every relay tick)
 PROCESS_CHECK_S = 0.25
 MPIEXEC_REPORT_WAIT_S = 2.0
 UNKNOWN_CAUSE = "its process is gone"
 SILENT_PREFIX = "no heartbeat"
+
+Ending = Literal["ok", "error"]  # how a rank's part of the cell ended
 
 
 @dataclass
 class Verdict:
     """Why the watchdog ends the cell, and which ranks to release."""
 
-    kind: str  # peer-failed | hang | mismatch | dead
+    kind: Literal["peer-failed", "hang", "mismatch", "dead"]
     lines: list[str]
     release: list[int] = field(default_factory=list)
     dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
@@ -172,8 +175,8 @@ class Watchdog:
                 return cause
             time.sleep(0.1)
 
-    def check(self, now: float, finished: dict[int, str]) -> Verdict | None:
-        """finished: rank -> 'ok' | 'error' for the ranks whose cell has ended."""
+    def check(self, now: float, finished: dict[int, Ending]) -> Verdict | None:
+        """finished: how each rank whose part of the cell has ended ended it."""
         dead = self.dead_ranks(now)
         if dead:
             known = [r for r, cause in dead.items() if cause != UNKNOWN_CAUSE]
@@ -220,7 +223,7 @@ class Watchdog:
             return Verdict("hang", lines, release=running)
         return self._direct_hang(now, finished, waiting)
 
-    def _direct_hang(self, now: float, finished: dict[int, str],
+    def _direct_hang(self, now: float, finished: dict[int, Ending],
                      waiting: dict[int, dict | None]) -> Verdict | None:
         """Ranks that sit on one line calling MPI or torch.distributed directly for
         hang_timeout while the others have finished the cell: a collective that the

@@ -9,7 +9,8 @@ from mpilab.channel import CellWindow, MetricsStore
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
-from mpilab.runner import OutputRelay, format_ranks, parse_ranks
+from mpilab.relay import OutputRelay
+from mpilab.selection import format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
 from mpilab.watchdog import Watchdog
 

@@ -1,0 +1,374 @@
+"""One cell while it runs on its ranks, and what it produced.
+
+`RunningCell` is made once the ranks have the cell's execute request. `watch()` relays
+the ranks' output live and ends the cell when it must end (the watchdog's verdict,
+`--timeout`, Ctrl-C); `finish()` drains what trails, names dead ranks and returns the
+`CellOutcome`. `pump()` is one relay step: new output, displays and dashboard data.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ipyparallel.error import TaskAborted
+
+from .channel import CellWindow
+from .cluster import RankCluster
+from .live import LiveViews
+from .relay import DEFAULT_OUTPUT_CAP, OutputRelay, discard, strip_ansi
+from .selection import rank_label
+from .watchdog import (
+    DEFAULT_HANG_TIMEOUT_S,
+    Ending,
+    Verdict,
+    Watchdog,
+    describe,
+    last_checkpoint,
+)
+
+TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
+INTERRUPT_GRACE_S = 3.0
+ABORT_SETTLE_S = 0.3  # a rank may begin a cell just as it is taken off the queue: watch
+OUTPUT_TRAIL_S = 5.0
+# when ipyparallel reports an engine gone, how long the watchdog is given to see its
+# death (the process gone, mpiexec's report) before it is asked to name it
+DEATH_SETTLE_S = 0.5
+STREAMS = ("stdout", "stderr")
+
+
+@dataclass
+class RunOptions:
+    spec: str = "all"
+    timeout: float | None = None
+    block: bool = True
+    dashboard: bool = True
+    quiet: bool = False
+    output_cap: int = DEFAULT_OUTPUT_CAP
+    hang_timeout: float = DEFAULT_HANG_TIMEOUT_S
+    # a bar above the merged output that shows one rank's own output at a time, live,
+    # failing ranks marked (cells on several ranks; not with `quiet`)
+    per_rank: bool = False
+
+
+@dataclass
+class CellOutcome:
+    """What a finished cell produced, per rank; plain data for callers and tests."""
+
+    ranks: list[int]
+    results: dict[int, dict] = field(default_factory=dict)  # rank -> mime bundle
+    # rank -> clean traceback where the cell raised (KeyboardInterrupt included)
+    errors: dict[int, str] = field(default_factory=dict)
+    # ranks whose part of the cell had not ended when it was given up (the notes say why)
+    unfinished: list[int] = field(default_factory=list)
+    interrupted: bool = False  # Ctrl-C
+    timed_out: bool = False  # --timeout passed
+    notes: list[str] = field(default_factory=list)  # the watchdog's explanation
+    released: list[int] = field(default_factory=list)  # ranks it interrupted
+    dropped: list[int] = field(default_factory=list)  # ranks it took the cell from, unbegun
+    # ranks that dropped the cell themselves: ipykernel drops what is queued behind a
+    # cell that failed (a --noblock one)
+    not_run: list[int] = field(default_factory=list)
+    dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+    restarted: bool = False  # the cluster was restarted to end the cell
+
+    @property
+    def ok(self) -> bool:
+        """Nothing to tell beyond the results: every rank ran the cell to its end."""
+        return not (self.errors or self.unfinished or self.notes or self.not_run)
+
+
+def is_interrupt(traceback: str) -> bool:
+    """A rank's traceback that ends in KeyboardInterrupt: it was stopped, not broken."""
+    return traceback.rstrip().splitlines()[-1].startswith("KeyboardInterrupt")
+
+
+class RunningCell:
+    """A cell from the moment the ranks have it to its outcome."""
+
+    def __init__(self, cluster: RankCluster, ar, ranks: list[int], options: RunOptions,
+                 write: Callable[[str, str], None]):
+        """ar: ipyparallel's AsyncResult of the cell on `ranks` (one engine each, in order)."""
+        self.cluster = cluster
+        self.ar = ar
+        self.ranks = ranks
+        self.options = options
+        self.write = write
+        self.outcome = CellOutcome(ranks=ranks)
+        # the result's own metadata: the client forgets it once the output is complete
+        metadata = ar.metadata if isinstance(ar.metadata, list) else [ar.metadata]
+        self._metadata = dict(zip(ranks, metadata))
+        self._offsets = {(r, s): 0 for r in ranks for s in STREAMS}
+        self._outputs_shown = {r: 0 for r in ranks}
+        # --quiet writes nothing, but the relay still keeps each rank's last lines: a
+        # death report shows them
+        self.relay = OutputRelay(ranks, discard if options.quiet else write,
+                                 cap=options.output_cap)
+        self.by_rank = _per_rank_view(ranks, options)
+        self._msg_ids = dict(zip(ranks, ar.msg_ids))
+        self.views = LiveViews(cluster.store, cluster.world_size, options.dashboard,
+                               self._msg_ids)
+        self._singles = dict(zip(ranks, ar.split()))
+        self.watchdog = Watchdog(cluster, ranks, options.hang_timeout, self.views.cell)
+        self._deadline: float | None = None  # monotonic; set once the ranks begin the cell
+
+    @property
+    def window(self) -> CellWindow:
+        """Which records are this cell's (the dashboard's and the watchdog's view)."""
+        return self.views.cell
+
+    # -- pump -----------------------------------------------------------------------------
+    def pump(self, final: bool = False) -> None:
+        """Relay what arrived since the last pump: stream text, displays, dashboard data.
+        `final`: the cell is over, every partial line goes out."""
+        now = time.monotonic()
+        quiet = self.options.quiet
+        for r, md in self._metadata.items():
+            for stream in STREAMS:
+                text = md[stream] or ""
+                start = self._offsets[(r, stream)]
+                if len(text) > start:
+                    self._offsets[(r, stream)] = len(text)
+                    clean = strip_ansi(text[start:])
+                    self.relay.feed(r, stream, clean, now)
+                    if self.by_rank is not None:
+                        self.by_rank.feed(r, clean)
+            outputs = md["outputs"]
+            while self._outputs_shown[r] < len(outputs):
+                if not quiet:
+                    self.relay.flush(now, final=True)  # text printed before it goes first
+                    _publish(outputs[self._outputs_shown[r]], r, len(self.ranks) > 1)
+                self._outputs_shown[r] += 1
+        self.relay.flush(now, final=final)
+        self.views.tick()
+        if self.by_rank is not None:
+            self.by_rank.tick()
+
+    # -- watch ----------------------------------------------------------------------------
+    def watch(self) -> None:
+        """Pump until every rank has finished the cell, or end it first: on the
+        watchdog's verdict, once --timeout has passed, or on Ctrl-C."""
+        try:
+            while not self.ar.wait(TICK_S):
+                self.pump()
+                verdict = self.watchdog.check(time.time(), _finished(self._singles))
+                if verdict is not None:
+                    self._contain(verdict)
+                    return
+                if self._past_deadline():
+                    self.outcome.timed_out = True
+                    self._release(self.ranks)
+                    return
+        except KeyboardInterrupt:
+            self.outcome.interrupted = True
+            self._release(self.ranks)
+
+    def _past_deadline(self) -> bool:
+        """--timeout counts from when the ranks begin the cell: it may have waited behind
+        a --noblock one."""
+        timeout = self.options.timeout
+        if timeout is None:
+            return False
+        if self._deadline is None:
+            started = self.window.started(self.cluster.store)
+            if started is None:
+                return False
+            self._deadline = time.monotonic() + timeout - (time.time() - started)
+        return time.monotonic() > self._deadline
+
+    def _contain(self, verdict: Verdict) -> None:
+        """Act on the watchdog's verdict: release waiting ranks, or report dead ones."""
+        outcome = self.outcome
+        outcome.notes.extend(verdict.lines)
+        if verdict.dead:
+            outcome.dead = verdict.dead
+            self.cluster.mark_dead(verdict.dead)
+            outcome.notes.append(
+                f"the cluster is down: `%mpilab restart` brings back {self.cluster.world_size}"
+                " ranks (their state was lost)")
+            return
+        outcome.released = verdict.release
+        self._release(verdict.release)
+
+    def _release(self, ranks: list[int]) -> None:
+        """Interrupt `ranks` (SIGINT: KeyboardInterrupt and an abort of every wait), then
+        bring mpilab's communicators back in step on all ranks; restart when a rank sits
+        in a call that cannot be interrupted. A rank that has not begun the cell (it still
+        runs an earlier --noblock one) is not interrupted: the cell leaves its queue."""
+        outcome, singles, store = self.outcome, self._singles, self.cluster.store
+        waiting = [r for r in ranks
+                   if r not in self.window.bounds(store) and not singles[r].ready()]
+        if waiting:
+            try:
+                self.cluster.client.abort([self._msg_ids[r] for r in waiting],
+                                          targets=self.cluster.engines(waiting), block=False)
+            except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
+                pass
+        interrupted: list[int] = []
+        settled = time.monotonic() + (ABORT_SETTLE_S if waiting else 0.0)
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        while True:
+            # a rank that began the cell as it was taken off the queue is interrupted too
+            begun = self.window.bounds(store)
+            fresh = [r for r in ranks
+                     if r not in interrupted and (r not in waiting or r in begun)]
+            if fresh:
+                self._interrupt(fresh)
+                interrupted += fresh
+            done = all(singles[r].ready() for r in interrupted)
+            if (done and time.monotonic() >= settled) or time.monotonic() > deadline:
+                break
+            time.sleep(TICK_S)
+        outcome.dropped = [r for r in waiting if r not in interrupted]
+        if outcome.dropped:
+            outcome.notes.append(
+                f"{rank_label(outcome.dropped)} had not begun the cell: an earlier --noblock "
+                "cell still runs there and goes on; this one was taken off their queue")
+        if not interrupted or (done and self.cluster.recover()):
+            return
+        stuck = [r for r in interrupted if not singles[r].ready()]
+        heartbeats = store.heartbeats if store else {}
+        for r in stuck:
+            outcome.notes.append(
+                f"{describe(r, heartbeats.get(r))}: it did not answer the interrupt "
+                "(a blocking MPI or torch.distributed call, which mpilab cannot interrupt)")
+        outcome.notes.append(
+            f"restarted the ranks: their state was lost; {last_checkpoint(store)}")
+        outcome.restarted = True
+        self.cluster.restart()
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        try:
+            self.cluster.client.send_signal("SIGINT", targets=self.cluster.engines(ranks),
+                                            block=False)
+        except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported later
+            pass
+
+    # -- finish ---------------------------------------------------------------------------
+    def finish(self) -> CellOutcome:
+        """The last output, the dashboard's final drawing, and the cell's outcome."""
+        ar, outcome = self.ar, self.outcome
+        if ar.ready():
+            # output travels on iopub and can trail the execute reply
+            ar.wait_for_output(OUTPUT_TRAIL_S)
+        self.pump(final=True)
+        engines_died = _engines_died(self._singles)
+        self.views.finish(self.ranks if ar.ready() and not outcome.dead and not engines_died
+                          else None)
+        note = self.relay.cap_note()
+        if note and not self.options.quiet:
+            self.write("stderr", note + "\n")
+        if engines_died and not outcome.dead and not outcome.restarted:
+            self._name_the_dead()
+        if outcome.dead:
+            self._add_last_lines_of_the_dead()
+        else:
+            self._collect()
+        _finish_per_rank(self.by_rank, outcome)
+        return outcome
+
+    def _name_the_dead(self) -> None:
+        """ipyparallel noticed an engine gone before the watchdog did: the watchdog names
+        the dead and how they died."""
+        time.sleep(DEATH_SETTLE_S)
+        verdict = self.watchdog.check(time.time(), {})
+        if verdict is not None and verdict.dead:
+            self._contain(verdict)
+
+    def _add_last_lines_of_the_dead(self) -> None:
+        for r in sorted(self.outcome.dead):
+            tail = self.relay.last_lines.get(r, [])[-5:]
+            if tail:
+                self.outcome.notes.append(f"last lines from rank {r}:")
+                self.outcome.notes.extend(f"  {line}" for line in tail)
+
+    def _collect(self) -> None:
+        outcome = self.outcome
+        for r, single in self._singles.items():
+            if not single.ready():
+                outcome.unfinished.append(r)
+                continue
+            result = single.get(return_exceptions=True)
+            if isinstance(result, list):  # a one-engine view still answers with a list
+                result = result[0]
+            if isinstance(result, TaskAborted):
+                if r not in outcome.dropped:
+                    outcome.not_run.append(r)
+            elif isinstance(result, BaseException):
+                outcome.errors[r] = _error_text(result)
+            elif result.metadata.get("execute_result"):
+                outcome.results[r] = result.metadata["execute_result"].get("data", {})
+
+
+def _engines_died(singles: dict) -> bool:
+    for single in singles.values():
+        if single.ready() and not single.successful():
+            error = single.get(return_exceptions=True)
+            error = error[0] if isinstance(error, list) else error
+            if getattr(error, "ename", type(error).__name__) == "EngineError":
+                return True
+    return False
+
+
+def _finished(singles: dict) -> dict[int, Ending]:
+    """How each rank whose part of the cell has ended ended it."""
+    done: dict[int, Ending] = {}
+    for r, single in singles.items():
+        if single.ready():
+            done[r] = "ok" if single.successful() else "error"
+    return done
+
+
+def _error_text(error) -> str:
+    """The clean traceback the rank produced (see mpilab.rank.engine)."""
+    if error is None:
+        return "failed"
+    tb = getattr(error, "traceback", None)
+    if tb:
+        return strip_ansi(tb).rstrip()
+    return f"{getattr(error, 'ename', 'Error')}: {getattr(error, 'evalue', error)}"
+
+
+def display_bundle(data: dict, metadata: dict | None = None) -> None:
+    from IPython.display import publish_display_data
+
+    publish_display_data(data, metadata=metadata or {})
+
+
+def _publish(output: dict, rank: int, label: bool) -> None:
+    """Re-display a rank's display_data (plots, tables) in the notebook."""
+    data = dict(output.get("data", {}))
+    if label and "text/plain" in data:
+        data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
+    display_bundle(data, output.get("metadata"))
+
+
+def _per_rank_view(ranks: list[int], options: RunOptions):
+    """The per-rank output bar, shown above the cell's merged output; None when not
+    asked for (or one rank, or --quiet)."""
+    if not options.per_rank or len(ranks) < 2 or options.quiet:
+        return None
+    import uuid
+
+    from IPython.display import display
+    from mpilab.widgets.rank_output import RankOutputs
+
+    by_rank = RankOutputs(ranks)
+    by_rank.display_id = uuid.uuid4().hex
+    display(by_rank.mimebundle(), raw=True, display_id=by_rank.display_id)
+    return by_rank
+
+
+def _finish_per_rank(by_rank, outcome: CellOutcome) -> None:
+    """The failing ranks marked, each one's error at the end of its own output."""
+    if by_rank is None:
+        return
+    from IPython.display import update_display
+
+    failed = {r: e for r, e in outcome.errors.items() if not is_interrupt(e)}
+    failed.update({r: f"died: {cause}" for r, cause in outcome.dead.items()})
+    for r, error in failed.items():
+        by_rank.feed(r, f"\n{error}\n")
+    by_rank.finish(sorted(failed))
+    update_display(by_rank.mimebundle(), raw=True, display_id=by_rank.display_id)

@@ -1,0 +1,115 @@
+"""The ranks' output streams as the notebook shows them: one line per rank and stream,
+identical lines from several ranks shown once naming the ranks, capped per cell."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .selection import rank_label
+
+HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
+DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    """Text without terminal colour codes (the ranks' tracebacks carry them)."""
+    return _ANSI.sub("", text)
+
+
+def discard(stream: str, text: str) -> None:
+    """A relay's writer for --quiet cells."""
+
+
+@dataclass
+class _Pending:
+    text: str
+    arrived: float
+
+
+class OutputRelay:
+    """Turns per-rank output streams into prefixed lines, identical lines shown once.
+
+    A line waits up to HOLD_S for the same line from the other selected ranks, so a
+    loop that prints on every rank shows one line per step naming the ranks.
+    """
+
+    def __init__(self, ranks: list[int], write: Callable[[str, str], None],
+                 cap: int = DEFAULT_OUTPUT_CAP, hold: float = HOLD_S):
+        self.ranks = ranks
+        self.write = write  # write(stream_name, text)
+        self.cap = cap
+        self.hold = hold
+        self.emitted_chars = 0
+        self.dropped_chars = 0
+        self._partial: dict[tuple[int, str], str] = {}
+        self._queues: dict[tuple[int, str], list[_Pending]] = {}
+        self.last_lines: dict[int, list[str]] = {r: [] for r in ranks}
+
+    def feed(self, rank: int, stream: str, text: str, now: float) -> None:
+        if not text:
+            return
+        key = (rank, stream)
+        buf = self._partial.get(key, "") + text
+        *lines, rest = buf.split("\n")
+        self._partial[key] = rest
+        queue = self._queues.setdefault(key, [])
+        for line in lines:
+            queue.append(_Pending(line, now))
+            tail = self.last_lines[rank]
+            tail.append(line)
+            del tail[:-20]
+
+    def flush(self, now: float, final: bool = False) -> None:
+        if final:
+            for key, rest in self._partial.items():
+                if rest:
+                    self._queues.setdefault(key, []).append(_Pending(rest, now))
+                    self.last_lines[key[0]].append(rest)
+            self._partial.clear()
+        for stream in ("stdout", "stderr"):
+            self._flush_stream(stream, now, final)
+
+    def _flush_stream(self, stream: str, now: float, final: bool) -> None:
+        out: list[str] = []
+        while True:
+            heads: dict[str, list[int]] = {}
+            oldest: dict[str, float] = {}
+            for r in self.ranks:
+                q = self._queues.get((r, stream))
+                if q:
+                    heads.setdefault(q[0].text, []).append(r)
+                    oldest[q[0].text] = min(oldest.get(q[0].text, now), q[0].arrived)
+            ready = [
+                (text, ranks) for text, ranks in heads.items()
+                if final or len(ranks) == len(self.ranks) or now - oldest[text] >= self.hold
+            ]
+            if not ready:
+                break
+            for text, ranks in ready:
+                for r in ranks:
+                    self._queues[(r, stream)].pop(0)
+                prefix = "" if len(self.ranks) == 1 else f"[{rank_label(ranks)}] "
+                out.append(f"{prefix}{text}\n")
+        if out:
+            self._emit(stream, "".join(out))
+
+    def _emit(self, stream: str, text: str) -> None:
+        room = self.cap - self.emitted_chars
+        if room <= 0:
+            self.dropped_chars += len(text)
+            return
+        if len(text) > room:
+            self.dropped_chars += len(text) - room
+            text = text[:room]
+        self.emitted_chars += len(text)
+        self.write(stream, text)
+
+    def cap_note(self) -> str | None:
+        if not self.dropped_chars:
+            return None
+        return (f"mpilab: output cut at {self.cap:,} characters for this cell; "
+                f"{self.dropped_chars:,} more characters were dropped")
