@@ -22,7 +22,11 @@ from mpilab.widgets import (
     human_bytes,
     status_text,
 )
-from mpilab.widgets.dashboard import MIN_REDRAW_INTERVAL_S
+from mpilab.widgets.dashboard import (
+    COMPACT_HEIGHT,
+    FULL_HEIGHT,
+    MIN_REDRAW_INTERVAL_S,
+)
 from mpilab.widgets.live_plot import REBASE_SHARE, LivePlot
 from mpilab.widgets.plotting import EXACT_POINTS, MAX_POINTS, WIDGET_VIEW_MIME, GrowingSeries
 
@@ -447,7 +451,9 @@ def test_a_training_run_draws_every_panel_that_has_data():
     store.add(log_record(0, 10, loss=1.0))  # a panel appears once it has data
     dash.refresh(force=True)
     layout = dash.widget.to_figure().layout
-    assert layout.xaxis3.visible is not False and layout.height == 640
+    # three panels keep the grid: compact, expandable to the full height
+    assert layout.xaxis3.visible is not False and layout.height == COMPACT_HEIGHT
+    assert layout.meta["expanded_height"] == FULL_HEIGHT
 
 
 def test_per_rank_output_collects_each_ranks_text_throttled_and_marks_failures():

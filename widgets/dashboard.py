@@ -28,12 +28,16 @@ from plotly.subplots import make_subplots
 
 from .live_plot import REDRAW_BUDGET, LivePlot
 from .plotting import (
+    RAW_OPACITY,
+    SMOOTH_WEIGHT,
     WIDGET_VIEW_MIME,
     GrowingSeries,
+    StepBand,
     figure_bundle,
     figure_html,
     quantity_color,
     rank_color,
+    smoothed_traces,
 )
 
 # at most ~4 redraws a second whatever the record rate; a little under the ranks' send
@@ -49,7 +53,16 @@ Series = tuple[np.ndarray, np.ndarray]
 PANELS = ("throughput", "split", "scalars", "bandwidth")
 _PANEL_AXES = {"throughput": ("xaxis", "yaxis"), "split": ("xaxis2", "yaxis2"),
                "scalars": ("xaxis3", "yaxis3"), "bandwidth": ("xaxis4", "yaxis4")}
-FULL_HEIGHT, ROW_HEIGHT = 640, 380  # px: two rows of panels, or one
+# px: two rows of panels, or one. A figure is drawn compact (the cell's printed output
+# goes on under it, and stays near) and a button expands it
+FULL_HEIGHT, ROW_HEIGHT = 640, 380
+COMPACT_HEIGHT, COMPACT_ROW_HEIGHT = 440, 300
+# past this many ranks the per-rank panels show the ranks as a band (median, min-max),
+# the slowest ranks named, instead of a line per rank
+BAND_ABOVE_RANKS = 16
+SLOWEST_NAMED = 3  # the slowest ranks named (and shown in the step-time bars) in a band
+# ... named when they compute at least this much longer than the median rank
+STRAGGLER_SHARE = 1.05
 _BASE_FIGURES: dict[int, dict] = {}  # world size -> the empty dashboard, as plotly JSON
 # world size -> widgets whose run ended (no output shows them any more), for reuse
 _SPARE_WIDGETS: dict[int, list[LivePlot]] = defaultdict(list)
@@ -104,8 +117,12 @@ class _RunLog:
     """The plots' data, derived from each of the run's step and log records once, as it
     arrives: a redraw late in a long run costs what arrived since the last one."""
 
-    def __init__(self, cell: CellWindow):
+    def __init__(self, cell: CellWindow, band: bool = False):
         self.cell = cell
+        # ranks as a band: their throughput and bandwidth as median and min-max per step
+        self.band = band
+        self.throughput_band = StepBand()
+        self.bandwidth_band = StepBand()
         self.position: dict[str, dict] = {"step": {}, "log": {}}  # the store's rows taken
         self.ranks: dict[int, _RankSteps] = {}
         # samples/s summed over the ranks, at the steps every rank has reported
@@ -134,9 +151,16 @@ class _RunLog:
                 self.ranks[rank] = _RankSteps()
             for rank, _, rows in batches:
                 rows = rows[:, _STEP_INDEX]
-                points = self.ranks[rank].add(rows)
+                steps = self.ranks[rank]
+                had = steps.bandwidth.n
+                points = steps.add(rows)
                 if not joined:
                     self._add_to_total(rank, points)
+                    if self.band:
+                        self.throughput_band.add(rank, points, len(self.ranks))
+                        self.bandwidth_band.add(rank, zip(steps.bandwidth.x[had:].tolist(),
+                                                          steps.bandwidth.y[had:].tolist()),
+                                                len(self.ranks))
                 self._saw(int(rows[:, 0].max()))
                 taken += len(rows)
             if joined:
@@ -147,11 +171,24 @@ class _RunLog:
     def snapshot(self) -> _Snapshot:
         """The plots' data, downsampled."""
         with self._lock:
+            split = {r: steps.split() for r, steps in self.ranks.items()}
+            if self.band:  # no line per rank: their series are not downsampled
+                throughput, bandwidth = {}, {}
+                bands = {"throughput": self.throughput_band.downsampled(),
+                         "bandwidth": self.bandwidth_band.downsampled()}
+                if not self.throughput_band.median.n:  # the first steps, before a median
+                    bands["throughput"] = (_EMPTY,) * 2 + (_first_steps(self.ranks),)
+            else:
+                throughput = {r: steps.shown_throughput() for r, steps in self.ranks.items()}
+                bandwidth = {r: steps.bandwidth.downsampled() for r, steps in self.ranks.items()}
+                bands = {}
             return _Snapshot(
-                throughput={r: steps.shown_throughput() for r, steps in self.ranks.items()},
+                throughput=throughput,
                 total=self.total.downsampled(),
-                split={r: steps.split() for r, steps in self.ranks.items()},
-                bandwidth={r: steps.bandwidth.downsampled() for r, steps in self.ranks.items()},
+                split=split,
+                bandwidth=bandwidth,
+                bands=bands,
+                slowest=slowest_ranks(split),
                 scalars={name: series.downsampled() for name, series in self.by().items()},
                 scalars_by="count" if self.by() is self.counted else "step",
                 last_step=self.last_step)
@@ -180,9 +217,14 @@ class _RunLog:
     def _retotal(self) -> None:
         self.total = GrowingSeries()
         self._pending = {}
+        self.throughput_band, self.bandwidth_band = StepBand(), StepBand()
         for rank, steps in self.ranks.items():
-            self._add_to_total(rank, list(zip(steps.throughput.x.tolist(),
-                                              steps.throughput.y.tolist())))
+            points = list(zip(steps.throughput.x.tolist(), steps.throughput.y.tolist()))
+            self._add_to_total(rank, points)
+            if self.band:
+                self.throughput_band.add(rank, points, len(self.ranks))
+                self.bandwidth_band.add(rank, zip(steps.bandwidth.x.tolist(),
+                                                  steps.bandwidth.y.tolist()), len(self.ranks))
 
     def _add_logs(self, logs: list[tuple[int, tuple, np.ndarray]]) -> int:
         """A scalar's point at a step (or count) is the mean of the values the ranks
@@ -216,12 +258,40 @@ class _RunLog:
         self.last_step = step if self.last_step is None else max(self.last_step, step)
 
 
+_EMPTY: Series = (np.empty(0), np.empty(0))
+
+
+def _first_steps(ranks: dict[int, _RankSteps]) -> Series:
+    """Each rank's first step alone (warm-up, left out of the band), as points."""
+    firsts = [steps.first for steps in ranks.values() if steps.first is not None]
+    if not firsts:
+        return _EMPTY
+    x = np.concatenate([f[0] for f in firsts])
+    y = np.concatenate([f[1] for f in firsts])
+    order = np.argsort(x, kind="stable")
+    return x[order], y[order]
+
+
+def slowest_ranks(split: dict[int, tuple[float, float]],
+                  count: int = SLOWEST_NAMED) -> list[tuple[int, float]]:
+    """The `count` ranks that compute longest per step (mean of their recent steps), as
+    (rank, seconds), slowest first. In synchronous data parallelism every rank's step
+    takes as long as the slowest rank's: step times and throughput are the same on all
+    ranks, and a straggler shows as the rank that computes longest while its peers wait
+    for it in communication."""
+    ranked = sorted(split.items(), key=lambda item: (-item[1][0], item[0]))
+    return [(rank, compute) for rank, (compute, _) in ranked[:count]]
+
+
 def _panels_with_data(snap: _Snapshot) -> tuple[str, ...]:
     """The panels that have something to show, in PANELS order."""
-    has = {"throughput": any(len(x) for x, _ in snap.throughput.values()),
+    bands = snap.bands
+    has = {"throughput": any(len(x) for x, _ in snap.throughput.values())
+           or any(len(x) for x, _ in bands.get("throughput", ())),
            "split": bool(snap.split),
            "scalars": any(len(x) for x, _ in snap.scalars.values()),
-           "bandwidth": any(len(x) for x, _ in snap.bandwidth.values())}
+           "bandwidth": any(len(x) for x, _ in snap.bandwidth.values())
+           or any(len(x) for x, _ in bands.get("bandwidth", ()))}
     return tuple(p for p in PANELS if has[p])
 
 
@@ -233,8 +303,9 @@ def _arrange(figure: dict, panels: tuple[str, ...], world_size: int, comm_axis: 
     hidden = [p for p in PANELS if p not in panels]
     titles = layout.get("annotations", [])[:len(PANELS)]  # the subplot titles, in order
     row = len(panels) <= 2
+    layout["height"] = COMPACT_ROW_HEIGHT if row else COMPACT_HEIGHT
+    layout["meta"] = {"expanded_height": ROW_HEIGHT if row else FULL_HEIGHT}
     if row:
-        layout["height"] = ROW_HEIGHT
         width = 1.0 if len(panels) == 1 else 0.45
         for i, panel in enumerate(panels):
             x_axis, y_axis = _PANEL_AXES[panel]
@@ -249,11 +320,9 @@ def _arrange(figure: dict, panels: tuple[str, ...], world_size: int, comm_axis: 
         titles[PANELS.index(panel)]["visible"] = False
     if "scalars" in hidden or not comm_axis:
         layout["yaxis5"]["visible"] = False
-    if "throughput" in hidden:  # its rank traces carry the ranks' legend entries
-        for trace in figure["data"][:world_size + 1]:
-            trace["showlegend"] = False
-    if "split" in hidden:
-        for trace in figure["data"][world_size + 1:world_size + 1 + len(SPLIT_PARTS)]:
+    hidden_axes = {_PANEL_AXES[p][0].replace("axis", "") for p in hidden}  # "x", "x2"
+    for trace in figure["data"]:  # the throughput traces carry the ranks' legend entries
+        if trace.get("xaxis", "x") in hidden_axes:
             trace["showlegend"] = False
 
 
@@ -281,6 +350,9 @@ class _Snapshot:
     total: Series = (np.empty(0), np.empty(0))
     split: dict[int, tuple[float, float]] = field(default_factory=dict)  # compute, comm wait
     bandwidth: dict[int, Series] = field(default_factory=dict)
+    # past BAND_ABOVE_RANKS ranks: panel -> (low, high, median) series over the ranks
+    bands: dict[str, tuple[Series, Series, Series]] = field(default_factory=dict)
+    slowest: list[tuple[int, float]] = field(default_factory=list)  # (rank, compute s)
     scalars: dict[str, Series] = field(default_factory=dict)
     scalars_by: str = "step"  # or "count": logged without training steps
     last_step: int | None = None
@@ -302,10 +374,14 @@ class Dashboard:
         self.store = store
         self.source = source
         self.world_size = world_size
+        self.band = world_size > BAND_ABOVE_RANKS
+        # traces per rank-wise panel (throughput, bandwidth): one per rank, or a band's
+        # low, high and median
+        self._lines = 3 if self.band else world_size
         self.cell = cell or CellWindow(since)
         self.redraws = 0
         self._min_interval = MIN_REDRAW_INTERVAL_S
-        self._runlog = _RunLog(self.cell)
+        self._runlog = _RunLog(self.cell, band=self.band)
         self._drawn_version = -1
         self._drawn_at = -float("inf")
         self._lock = threading.Lock()
@@ -441,7 +517,8 @@ class Dashboard:
     def _figure_json(self, scalars: list[str], panels: tuple[str, ...] = PANELS,
                      scalars_by: str = "step") -> dict:
         """The empty dashboard as plotly JSON, with a trace per logged scalar, showing
-        only `panels` (the others have nothing to show). The base is built (and
+        only `panels` (the others have nothing to show), then a smoothed trace over each
+        per-step trace (which the views compute: see `_smoothed`). The base is built (and
         validated by plotly, ~0.1 s) once per world size: a cell's first display stays
         quick."""
         base = _BASE_FIGURES.get(self.world_size)
@@ -455,10 +532,19 @@ class Dashboard:
             # the loss panel is subplot (2, 1): axes x3/y3 (named: the cached base
             # figure has no subplot grid to look rows and columns up in)
             axis = "y5" if name in COMM_SCALARS else "y3"
-            figure["data"].append({"type": "scatter", "name": name, "mode": "lines",
-                                   "xaxis": "x3", "yaxis": axis,
+            figure["data"].append({"type": "scatter", "name": name, "legendgroup": name,
+                                   "mode": "lines", "xaxis": "x3", "yaxis": axis,
                                    "line": {"color": quantity_color(i),
                                             **({"dash": "dot"} if axis == "y5" else {})}})
+        for index in self._smoothed(len(scalars)):
+            raw = figure["data"][index]
+            smooth = {**raw, "line": {**raw.get("line", {}), "width": 2},
+                      "meta": {"smooth_of": index, "weight": SMOOTH_WEIGHT},
+                      "hovertemplate": "%{y:.4g} (smoothed)"}
+            smooth.pop("opacity", None)
+            raw.update({"opacity": RAW_OPACITY, "showlegend": False,
+                        "line": {**raw.get("line", {}), "width": 1}})
+            figure["data"].append(smooth)
         _arrange(figure, panels, self.world_size,
                  comm_axis=any(name in COMM_SCALARS for name in scalars))
         if scalars_by == "count":  # logged without training steps
@@ -466,30 +552,46 @@ class Dashboard:
                 "text": "value # (logged without training steps)"}
         return figure
 
+    def _smoothed(self, scalars: int) -> list[int]:
+        """The indexes of the per-step traces that get a smoothed line over them: every
+        rank's (or the band's median) throughput and bandwidth, the total, the scalars.
+        Not the band's edges: they show the spread as it is."""
+        lines, w = self._lines, self.world_size
+        first_bandwidth = lines + 1 + len(SPLIT_PARTS)
+        first_scalar = first_bandwidth + lines
+        if self.band:  # low, high, median: the median
+            rank_lines = [2, lines, first_bandwidth + 2]
+        else:
+            rank_lines = [*range(w + 1), *range(first_bandwidth, first_bandwidth + w)]
+        return rank_lines + list(range(first_scalar, first_scalar + scalars))
+
     def _build_base_figure(self) -> go.Figure:
+        split_title = f"Step time (s), mean of last {SPLIT_WINDOW} steps"
+        if self.band:
+            split_title += ": median and slowest ranks"
         fig = make_subplots(
             rows=2, cols=2, vertical_spacing=0.16, horizontal_spacing=0.1,
-            subplot_titles=("Throughput (samples/s)",
-                            f"Step time (s), mean of last {SPLIT_WINDOW} steps",
+            subplot_titles=("Throughput (samples/s)", split_title,
                             "Loss and logged scalars", "Communication bandwidth (GB/s)"),
         )
-        for r in range(self.world_size):
-            fig.add_trace(go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", mode="lines",
-                                     line={"color": rank_color(r)}), row=1, col=1)
-        fig.add_trace(go.Scatter(name="total", mode="lines",
-                                 line={"color": "black", "dash": "dot"}), row=1, col=1)
-        # numeric x with rank labels: a view created after restyles (update_display)
-        # draws bars without their x, i.e. at 0..n-1, which then is still right
-        ranks = list(range(self.world_size))
-        for part, color in SPLIT_PARTS:
-            fig.add_trace(go.Bar(name=part, x=ranks, y=[0] * self.world_size,
-                                 marker_color=color, hovertemplate="%{y:.4f} s"), row=1, col=2)
-        for r in range(self.world_size):
-            fig.add_trace(go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", showlegend=False,
-                                     mode="lines", line={"color": rank_color(r)}), row=2, col=2)
+        for col in (1, 2):  # throughput, then bandwidth: per rank, or the band
+            row = col
+            for trace in self._rank_lines(legend=col == 1):
+                fig.add_trace(trace, row=row, col=col)
+            if col == 1:
+                fig.add_trace(go.Scatter(name="total", legendgroup="total", mode="lines",
+                                         line={"color": "black", "dash": "dot"}), row=1, col=1)
+                # numeric x with rank labels: a view created after restyles
+                # (update_display) draws bars without their x, i.e. at 0..n-1, which
+                # then is still right
+                bars = self._bar_labels()
+                for part, color in SPLIT_PARTS:
+                    fig.add_trace(go.Bar(name=part, x=list(range(len(bars))),
+                                         y=[0] * len(bars), marker_color=color,
+                                         hovertemplate="%{y:.4f} s"), row=1, col=2)
         # the legend sits above the plots: the widget is drawn 700 px wide in JupyterLab
         # (it is sized before it is attached), and the plots need that width
-        fig.update_layout(height=640, barmode="stack", template="plotly_white",
+        fig.update_layout(height=COMPACT_HEIGHT, barmode="stack", template="plotly_white",
                           margin={"t": 100, "b": 40, "l": 50, "r": 20},
                           title={"text": f"mpilab training: {self.world_size} ranks",
                                  "x": 0.01, "y": 0.985},
@@ -504,13 +606,42 @@ class Dashboard:
         fig.update_layout(yaxis5={"overlaying": "y3", "side": "right", "type": "log",
                                   "anchor": "x3", "showgrid": False,
                                   "title": {"text": "bytes / ratio"}})
-        fig.update_xaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], row=1, col=2)
+        bars = self._bar_labels()
+        fig.update_xaxes(tickvals=list(range(len(bars))), ticktext=bars, row=1, col=2)
         return fig
 
+    def _rank_lines(self, legend: bool) -> list[go.Scatter]:
+        """A panel's per-rank traces: a line per rank, or past BAND_ABOVE_RANKS ranks the
+        band (low and high edges, filled between) and its median."""
+        if not self.band:
+            return [go.Scatter(name=f"rank {r}", legendgroup=f"rank {r}", showlegend=legend,
+                               mode="lines", line={"color": rank_color(r)})
+                    for r in range(self.world_size)]
+        color = rank_color(0)
+        edge = {"mode": "lines", "line": {"width": 0, "color": color}, "legendgroup": "band",
+                "hoverinfo": "skip"}
+        return [go.Scatter(name="min of ranks", showlegend=False, **edge),
+                go.Scatter(name=f"min-max of {self.world_size} ranks", showlegend=legend,
+                           fill="tonexty", fillcolor="rgba(31,119,180,0.2)", **edge),
+                go.Scatter(name="median rank", legendgroup="median", showlegend=legend,
+                           mode="lines", line={"color": color})]
+
+    def _bar_labels(self) -> list[str]:
+        """The step-time bars: a bar per rank, or the median rank's and the slowest
+        ranks' (which ranks those are, the line above the plot says)."""
+        if not self.band:
+            return [f"rank {r}" for r in range(self.world_size)]
+        return ["median"] + [f"slowest #{i + 1}" for i in range(SLOWEST_NAMED)]
+
     def _static(self, snap: _Snapshot) -> go.Figure:
-        fig = go.Figure(self._figure_json(list(snap.scalars), _panels_with_data(snap),
-                                          snap.scalars_by), _validate=False)
+        figure = self._figure_json(list(snap.scalars), _panels_with_data(snap),
+                                   snap.scalars_by)
+        notes = self._notes(snap)
+        if notes:  # the live view shows them above the plot
+            figure["layout"]["title"]["text"] += f"<br><sup>{notes}</sup>"
+        fig = go.Figure(figure, _validate=False)
         traces = self._traces(snap, list(snap.scalars))
+        traces.update(smoothed_traces(figure["data"], traces))
         # our arrays are clean float64: no per-property validation
         fig.plotly_restyle({"x": [x for x, _ in traces.values()],
                             "y": [y for _, y in traces.values()]}, trace_indexes=list(traces))
@@ -526,27 +657,61 @@ class Dashboard:
         added = scalars != self._shown_scalars or layout != self._shown_layout
         self._shown_scalars, self._shown_layout = scalars, layout
         widget.show(self._traces(snap, scalars),
-                    figure=self._figure_json(scalars, *layout) if added else None)
+                    figure=self._figure_json(scalars, *layout) if added else None,
+                    step=snap.last_step if snap.scalars_by == "step"
+                    and snap.last_step is not None else -1,
+                    notes=self._notes(snap))
+
+    def _notes(self, snap: _Snapshot) -> str:
+        """The line above the plot: past BAND_ABOVE_RANKS ranks, the slowest ranks."""
+        if not self.band or not snap.slowest:
+            return ""
+        median = float(np.median([compute for compute, _ in snap.split.values()]))
+        window = f"compute per step, last {SPLIT_WINDOW} steps"
+        slow = [(r, c) for r, c in snap.slowest if c > STRAGGLER_SHARE * median]
+        if not slow:
+            return (f"no straggler: every rank within {STRAGGLER_SHARE - 1:.0%} of the "
+                    f"median rank's {median * 1000:.0f} ms ({window})")
+        named = ", ".join(f"rank {r} ({compute * 1000:.0f} ms)" for r, compute in slow)
+        return f"slowest ranks: {named}; median {median * 1000:.0f} ms ({window})"
 
     def _traces(self, snap: _Snapshot, scalars: list[str]) -> dict[int, Series]:
-        """Trace index -> (x, y) of every trace of the figure that `_figure_json(scalars)`
-        makes."""
-        w = self.world_size
-        empty = (np.empty(0), np.empty(0))
+        """Trace index -> (x, y) of every raw trace of the figure that
+        `_figure_json(scalars)` makes (the smoothed ones follow from them)."""
+        w, lines = self.world_size, self._lines
         traces: dict[int, Series] = {}
-        for r in range(w):
-            traces[r] = snap.throughput.get(r, empty)
-        traces[w] = snap.total
-        ranks = np.arange(w, dtype=float)
+        if self.band:
+            for i, series in enumerate(snap.bands.get("throughput", (_EMPTY,) * 3)):
+                traces[i] = series
+        else:
+            for r in range(w):
+                traces[r] = snap.throughput.get(r, _EMPTY)
+        traces[lines] = snap.total
+        bars = self._split_bars(snap)
         for part in range(len(SPLIT_PARTS)):
-            traces[w + 1 + part] = (ranks, np.array([snap.split.get(r, (0.0, 0.0))[part]
-                                                     for r in range(w)]))
-        for r in range(w):
-            traces[w + 1 + len(SPLIT_PARTS) + r] = snap.bandwidth.get(r, empty)
-        first_scalar = 2 * w + 1 + len(SPLIT_PARTS)
+            traces[lines + 1 + part] = (np.arange(len(bars), dtype=float),
+                                        np.array([bar[part] for bar in bars]))
+        first_bandwidth = lines + 1 + len(SPLIT_PARTS)
+        if self.band:
+            for i, series in enumerate(snap.bands.get("bandwidth", (_EMPTY,) * 3)):
+                traces[first_bandwidth + i] = series
+        else:
+            for r in range(w):
+                traces[first_bandwidth + r] = snap.bandwidth.get(r, _EMPTY)
+        first_scalar = first_bandwidth + lines
         for i, name in enumerate(scalars):
-            traces[first_scalar + i] = snap.scalars.get(name, empty)
+            traces[first_scalar + i] = snap.scalars.get(name, _EMPTY)
         return traces
+
+    def _split_bars(self, snap: _Snapshot) -> list[tuple[float, float]]:
+        """(compute, comm wait) per bar: per rank, or the median's and the slowest's."""
+        if not self.band:
+            return [snap.split.get(r, (0.0, 0.0)) for r in range(self.world_size)]
+        if not snap.split:
+            return [(0.0, 0.0)] * (1 + SLOWEST_NAMED)
+        median = tuple(np.median(np.array(list(snap.split.values())), axis=0).tolist())
+        bars = [median] + [snap.split[r] for r, _ in snap.slowest]
+        return bars + [(0.0, 0.0)] * (1 + SLOWEST_NAMED - len(bars))
 
     def _snapshot(self) -> _Snapshot:
         self._runlog.update(self.store)
@@ -560,4 +725,6 @@ class Dashboard:
         if len(snap.total[1]):
             parts.append(f"{snap.total[1][-1]:,.0f} samples/s")
         parts += [f"{name} {values[-1]:.4g}" for name, (_, values) in snap.scalars.items()]
+        if self.band and snap.slowest:
+            parts.append("slowest ranks " + ", ".join(str(r) for r, _ in snap.slowest))
         return ", ".join(parts) + (f" (from {self.source})" if self.source else "")

@@ -39,12 +39,17 @@ import plotly.graph_objects as go
 import traitlets
 from plotly.offline import get_plotlyjs, get_plotlyjs_version
 
+from .plotting import smoothed_traces
+
 # a redraw (kernel or browser) is followed by at least this many times its own duration
 # without one: drawing takes at most 1/REDRAW_BUDGET of a core
 REDRAW_BUDGET = 10
 # ... but a view with new data to draw waits at most this long after a redraw ends, or as
 # long as that redraw took if more (at most half the browser's main thread then)
 MAX_STILL_S = 1.0
+# a view says how many steps its drawing is behind the data the kernel sent once that has
+# lasted this long (and hides it once it has been current as long)
+BEHIND_AFTER_S = 0.5
 # each view keeps a log of its last this many updates and drawings (`mpilabLog` on the
 # plot's element)
 LOG_SIZE = 400
@@ -73,11 +78,57 @@ const spliced = (base, keep, tail) => {
   return out;
 };
 
+// the debiased EMA of plotting.ema: what a smoothed trace draws over its raw trace
+const ema = (y, w) => {
+  const out = new Float64Array(y.length);
+  let last = 0, n = 0;
+  for (let i = 0; i < y.length; i++) {
+    if (Number.isFinite(y[i])) { last = last * w + (1 - w) * y[i]; n++; }
+    out[i] = n ? last / (1 - Math.pow(w, n)) : NaN;
+  }
+  return out;
+};
+
 function render({ model, el }) {
   const Plotly = PLOTLY;
+  // a line above the plot: the figure's notes (the slowest ranks), how far the drawing
+  // is behind the data the kernel sent, and the button that expands a compact figure
+  const bar = document.createElement("div");
+  bar.className = "mpilab-plot-bar";
+  bar.style.cssText = "display:flex;gap:8px;align-items:center;justify-content:flex-end;" +
+                      "font:11px monospace;color:#555;min-height:18px";
+  const notes = document.createElement("span");
+  notes.className = "mpilab-plot-notes";
+  notes.style.cssText = "flex:1;white-space:nowrap;overflow:hidden;text-overflow:ellipsis";
+  const behind = document.createElement("span");
+  behind.className = "mpilab-plot-behind";
+  behind.style.cssText = "color:#8a4b00;background:#fff1d6;padding:0 6px;border-radius:3px;" +
+                         "display:none";
+  const expand = document.createElement("button");
+  expand.className = "mpilab-plot-expand";
+  expand.style.cssText = "font:11px monospace;padding:0 6px;cursor:pointer;display:none";
+  bar.append(notes, behind, expand);
   const div = document.createElement("div");
   div.style.width = "100%";
-  el.appendChild(div);
+  el.append(bar, div);
+  let expanded = false;
+  const heights = () => {
+    const layout = model.get("figure").layout || {};
+    const meta = layout.meta || {};
+    return { compact: layout.height, full: meta.expanded_height };
+  };
+  const showExpand = () => {
+    const h = heights();
+    expand.style.display = h.full && h.full !== h.compact ? "" : "none";
+    expand.textContent = expanded ? "compact \u25b4" : "expand \u25be";
+  };
+  expand.onclick = () => {
+    expanded = !expanded;
+    showExpand();
+    const h = heights();
+    later(() => Plotly.relayout(div, { height: expanded ? h.full : h.compact }));
+  };
+  const showNotes = () => { notes.textContent = model.get("notes") || ""; };
   // what this view did, when (epoch ms) and for how long: the last LOG_SIZE entries, for
   // the tests and for anyone asking in the browser's console why a plot looks behind
   const log = (div.mpilabLog = []);
@@ -104,12 +155,58 @@ function render({ model, el }) {
       x[j] = spliced(x[j], t.keep[i], float64(t.x[i]));
       y[j] = spliced(y[j], t.keep[i], float64(t.y[i]));
     });
-    return { traces: s.traces, x, y };
+    // the smoothed traces, from the raw ones they name (meta.smooth_of)
+    const f = model.get("figure");
+    const traces = [...s.traces];
+    (f.data || []).forEach((trace, j) => {
+      const of = trace.meta && trace.meta.smooth_of;
+      const i = of === undefined ? -1 : s.traces.indexOf(of);
+      if (i < 0) return;
+      traces.push(j);
+      x.push(x[i]);
+      y.push(ema(y[i], trace.meta.weight));
+    });
+    return { traces, x, y };
+  };
+  // "N steps behind": the newest step the kernel sent (`step`) against the step of the
+  // data drawn last. Said once the drawing has stayed behind for BEHIND_AFTER_MS (a view
+  // that keeps up is behind only while a restyle runs), and kept until it has been
+  // current for as long, so that a slow view's label does not blink at each restyle.
+  let drawnStep = -1, behindSince = null, currentSince = null, behindTimer = null;
+  const updateBehind = () => {
+    const now = performance.now(), newest = model.get("step");
+    const lag = newest >= 0 && drawnStep >= 0 ? newest - drawnStep : 0;
+    clearTimeout(behindTimer);
+    if (lag > 0) {
+      currentSince = null;
+      behindSince = behindSince === null ? now : behindSince;
+      if (now - behindSince >= BEHIND_AFTER_MS) {
+        behind.textContent = `${lag} step${lag === 1 ? "" : "s"} behind`;
+        behind.style.display = "";
+        behind.dataset.lag = String(lag);
+      } else {
+        behindTimer = setTimeout(updateBehind, BEHIND_AFTER_MS - (now - behindSince) + 1);
+      }
+    } else {
+      behindSince = null;
+      currentSince = currentSince === null ? now : currentSince;
+      if (now - currentSince >= BEHIND_AFTER_MS) {
+        behind.style.display = "none";
+        behind.dataset.lag = "0";
+      } else if (behind.style.display !== "none") {
+        behindTimer = setTimeout(updateBehind, BEHIND_AFTER_MS - (now - currentSince) + 1);
+      }
+    }
   };
   const restyle = () => {
     const data = current();
     if (!data) return 0;
-    return Plotly.restyle(div, { x: data.x, y: data.y }, data.traces).then(() => count(data));
+    const step = model.get("step");
+    return Plotly.restyle(div, { x: data.x, y: data.y }, data.traces).then(() => {
+      drawnStep = step;
+      updateBehind();
+      return count(data);
+    });
   };
   // the figure with its data in one drawing (plotly lays out and paints it all each time)
   const draw = () => {
@@ -119,9 +216,14 @@ function render({ model, el }) {
     (data ? data.traces : []).forEach((j, i) => {
       if (traces[j]) Object.assign(traces[j], { x: data.x[i], y: data.y[i] });
     });
-    const start = performance.now();
-    return Plotly.react(div, traces, f.layout || {}, CONFIG).then(() => {
+    const layout = { ...(f.layout || {}) };
+    if (expanded && heights().full) layout.height = heights().full;
+    showExpand();
+    const start = performance.now(), step = model.get("step");
+    return Plotly.react(div, traces, layout, CONFIG).then(() => {
       drawn = true;
+      drawnStep = step;
+      updateBehind();
       note("draw", start, count(data));
     });
   };
@@ -166,6 +268,7 @@ function render({ model, el }) {
   };
   // a new base comes with an empty tail: one restyle for both changes
   const onSeries = () => {
+    updateBehind();
     note(pending ? "update (batched)" : "update", performance.now(), 0);
     if (!pending) {
       pending = true;
@@ -186,9 +289,11 @@ function render({ model, el }) {
   });
   sight.observe(el);
   document.addEventListener("visibilitychange", onSight);
+  showNotes();
   model.on("change:figure", onFigure);
   model.on("change:series", onSeries);
   model.on("change:tail", onSeries);
+  model.on("change:notes", showNotes);
   const resized = new ResizeObserver(() => {
     if (!div.offsetWidth) return;
     note("sized", performance.now(), 0);
@@ -204,6 +309,8 @@ function render({ model, el }) {
     model.off("change:figure", onFigure);
     model.off("change:series", onSeries);
     model.off("change:tail", onSeries);
+    model.off("change:notes", showNotes);
+    clearTimeout(behindTimer);
     closed = true;
     resized.disconnect();
     sight.disconnect();
@@ -227,10 +334,15 @@ class LivePlot(anywidget.AnyWidget):
 
     _esm = (f"{_PLOTLY_ONCE}const REDRAW_BUDGET = {REDRAW_BUDGET};\n"
             f"const MAX_STILL_MS = {MAX_STILL_S * 1000:g};\n"
-            f"const LOG_SIZE = {LOG_SIZE};\n{_RENDER_JS}")
+            f"const LOG_SIZE = {LOG_SIZE};\n"
+            f"const BEHIND_AFTER_MS = {BEHIND_AFTER_S * 1000:g};\n{_RENDER_JS}")
     figure = traitlets.Dict().tag(sync=True)
     series = traitlets.Dict().tag(sync=True)
     tail = traitlets.Dict().tag(sync=True)
+    # the newest step in the data (-1: none, or not counted in steps): a view compares
+    # it with the step of what it drew last
+    step = traitlets.Int(-1).tag(sync=True)
+    notes = traitlets.Unicode("").tag(sync=True)  # a line shown above the plot
 
     def __init__(self, figure: dict):
         # _view_count: the frontend reports how many views show the plot
@@ -238,9 +350,13 @@ class LivePlot(anywidget.AnyWidget):
         self._data: dict[int, Series] = {}  # every trace's data, as the views draw it
         self._base: dict[int, Series] = {}  # what `series` holds
 
-    def show(self, traces: dict[int, Series], figure: dict | None = None) -> None:
+    def show(self, traces: dict[int, Series], figure: dict | None = None,
+             step: int | None = None, notes: str | None = None) -> None:
         """New data for these traces (and a new figure first, whose traces start empty),
-        in one message."""
+        with the newest step they hold and the line above the plot, in one message.
+
+        A trace whose `meta` names another (`smooth_of`) is drawn by the views as that
+        trace's moving average: its data never travels."""
         if figure is not None:
             self._data = {}
         self._data.update({index: (_float64(x), _float64(y))
@@ -249,6 +365,10 @@ class LivePlot(anywidget.AnyWidget):
         with self.hold_sync():
             if figure is not None:
                 self.figure = figure
+            if step is not None:
+                self.step = int(step)
+            if notes is not None:
+                self.notes = notes
             if tail is None:
                 self._base = dict(self._data)
                 self.series = _state(self._base)
@@ -283,6 +403,7 @@ class LivePlot(anywidget.AnyWidget):
             base_x, base_y = data[index]
             data[index] = (np.concatenate([base_x[:kept], np.frombuffer(x, dtype=np.float64)]),
                            np.concatenate([base_y[:kept], np.frombuffer(y, dtype=np.float64)]))
+        data.update(smoothed_traces(self.figure.get("data", []), data))
         for index, (x, y) in data.items():
             fig.data[index].x, fig.data[index].y = x, y
         return fig

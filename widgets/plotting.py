@@ -22,6 +22,11 @@ RANK_COLORS = (
 # beside rank 3's throughput must not read as rank 3's. Black and dark shades that
 # category10 (RANK_COLORS) does not use
 QUANTITY_COLORS = ("#000000", "#8c6d31", "#393b79", "#637939", "#7b4173", "#5254a3")
+# per-step traces are drawn faint, with an exponential moving average over them (the
+# debiased EMA TensorBoard draws: no lag towards 0 at the start); the weight is per drawn
+# point, so a long run's averaged buckets smooth as much as a short run's steps
+SMOOTH_WEIGHT = 0.85
+RAW_OPACITY = 0.3  # the raw points behind a smoothed line
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 # plotly's own include_plotlyjs="cdn" hashes its 4.6 MB plotly.js for the script tag's
@@ -39,6 +44,72 @@ def rank_color(rank: int) -> str:
 def quantity_color(index: int) -> str:
     """The color of the `index`-th quantity (logged scalar) of a plot."""
     return QUANTITY_COLORS[index % len(QUANTITY_COLORS)]
+
+
+def ema(y, weight: float = SMOOTH_WEIGHT) -> np.ndarray:
+    """The debiased exponential moving average of `y` (non-finite values are skipped and
+    take the average so far): what a view draws over a trace's faint raw points. The
+    live view computes the same in the browser (live_plot.py), so the kernel sends only
+    the raw data."""
+    y = np.asarray(y, dtype=float)
+    out = np.empty(len(y))
+    last, n = 0.0, 0
+    for i, value in enumerate(y.tolist()):
+        if math.isfinite(value):
+            last = last * weight + (1 - weight) * value
+            n += 1
+        out[i] = last / (1 - weight ** n) if n else math.nan
+    return out
+
+
+def smoothed_traces(figure_data: list, traces: dict[int, tuple[np.ndarray, np.ndarray]]
+                    ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Trace index -> (x, y) of the figure's smoothed traces (plotly JSON dicts or trace
+    objects whose `meta` names the trace they smooth, `smooth_of`), from the raw
+    `traces`."""
+    out = {}
+    for index, trace in enumerate(figure_data):
+        meta = trace.get("meta") if isinstance(trace, dict) else trace.meta
+        if isinstance(meta, dict) and "smooth_of" in meta:
+            x, y = traces.get(meta["smooth_of"], (np.empty(0), np.empty(0)))
+            out[index] = (np.asarray(x, dtype=float),
+                          ema(y, meta.get("weight", SMOOTH_WEIGHT)))
+    return out
+
+
+class StepBand:
+    """The ranks as a band: at each step the median, min and max of one value over the
+    ranks, once every rank of the run has reported that step (a rank's first report of
+    a step counts, as for the total). Past a few ranks one line per rank is unreadable
+    (and costs a trace each); the band shows the spread and the median, and the ranks
+    at its edge are named elsewhere."""
+
+    def __init__(self):
+        self.median, self.low, self.high = GrowingSeries(), GrowingSeries(), GrowingSeries()
+        self._pending: dict[float, dict[int, float]] = {}  # step -> rank -> value
+
+    def add(self, rank: int, points, ranks: int) -> None:
+        """(step, value) points of `rank`; `ranks`: how many ranks the run has now."""
+        done = self.median.x[-1] if self.median.n else -np.inf
+        complete = []
+        for step, value in points:
+            if step <= done:
+                continue
+            reported = self._pending.setdefault(step, {})
+            reported.setdefault(rank, value)
+            if len(reported) >= ranks:
+                complete.append(step)
+        if complete:
+            complete.sort()
+            values = [np.fromiter(self._pending[s].values(), dtype=float) for s in complete]
+            self.median.extend(complete, [float(np.median(v)) for v in values])
+            self.low.extend(complete, [float(v.min()) for v in values])
+            self.high.extend(complete, [float(v.max()) for v in values])
+            self._pending = {s: r for s, r in self._pending.items() if s > complete[-1]}
+
+    def downsampled(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
+        """(low, high, median), each (x, y), downsampled."""
+        return self.low.downsampled(), self.high.downsampled(), self.median.downsampled()
 
 
 def downsample(x, y, max_points: int = MAX_POINTS,
