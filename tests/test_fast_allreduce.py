@@ -133,6 +133,44 @@ def test_hierarchical_path_with_emulated_nodes():
     assert all(res == {"failures": [], "path": "hierarchical"} for res in results)
 
 
+LEADERS = """
+import hashlib
+import numpy as np
+from mpilab.rank import fast_allreduce as fa
+
+comm, n, r = ctx.comm, ctx.world_size, ctx.rank
+plan = fa.plan_for(comm)
+out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None}
+failures, digests = [], []
+for count in (1, 3, 1000, fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1):
+    for op in ("sum", "max", "min"):
+        x = ((np.arange(count) * 7 + r * 13) % 17 - 8).astype(np.float32)
+        parts = [((np.arange(count) * 7 + q * 13) % 17 - 8) for q in range(n)]
+        want = {"sum": np.add, "max": np.maximum, "min": np.minimum}[op].reduce(parts)
+        fa.allreduce_inplace(x, op, comm)
+        if not np.array_equal(x, want.astype(np.float32)):
+            failures.append(f"count={count} op={op}")
+    noisy = np.random.default_rng(r).standard_normal(count).astype(np.float32)
+    fa.allreduce_inplace(noisy, "sum", comm)
+    digests.append(hashlib.sha1(noisy.tobytes()).hexdigest())
+out["failures"] = failures
+out["identical"] = all(len(set(d)) == 1 for d in zip(*comm.allgather(digests)))
+report_in_turn(out)
+"""
+
+
+@pytest.mark.parametrize(("n", "exchange"), [(7, True), (5, False)])
+def test_leaders_exchange_or_iallreduce_by_leader_count(n, exchange):
+    # nodes of 2 emulated ranks: 7 ranks give 4 leaders (pairwise exchange up to
+    # EXCHANGE_MAX_BYTES), 5 ranks give 3 (not a power of two: Iallreduce)
+    results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    leaders = [res for res in results if res["exchange"] is not None]
+    assert len(leaders) == (n + 1) // 2
+    assert all(res["exchange"] is exchange for res in leaders)
+    assert all(res["path"] == "hierarchical" and res["failures"] == [] and res["identical"]
+               for res in results)
+
+
 INTERRUPT = """
 import os, signal, threading, time
 import numpy as np

@@ -13,7 +13,10 @@ communicator:
   (`mpilab.rank.shm`) reduces in place at close to memory bandwidth;
 - ``hierarchical``: several nodes, some with several ranks: reduce within each node
   through shared memory, allreduce among one leader per node over MPI, broadcast back
-  within the node.
+  within the node. Between the leaders, messages up to EXCHANGE_MAX_BYTES go by pairwise
+  exchange (recursive doubling over point-to-point sends, where the leader count is a
+  power of two): MPICH's non-blocking Iallreduce builds a schedule per call, which at
+  4 KiB cost more than the message's whole trip between two emulated hosts.
 
 Rules for callers:
 - The first call on a communicator sets up its plan *collectively* (a node split, a
@@ -45,12 +48,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .shm import ShmEngine
-from .waiting import wait_interruptibly
+from .shm import UFUNCS, ShmEngine
+from .waiting import check_abort, wait_interruptibly
 
 _KINDS = "fiu"
 _OPS = frozenset(("sum", "max", "min"))
-
+# Up to this size the leaders exchange whole buffers pairwise; above it, Iallreduce's
+# reduce-scatter halves what each leader adds up.
+EXCHANGE_MAX_BYTES = 64 << 10
+_EXCHANGE_TAG = 0x6D6C
 
 @dataclass
 class Plan:
@@ -65,6 +71,16 @@ class Plan:
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
         self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
+        size = self.leaders.Get_size() if self.leaders is not None else 0
+        # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
+        self.exchange = size > 1 and size & (size - 1) == 0
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def scratch(self, like: np.ndarray) -> np.ndarray:
+        """A reused receive buffer of like's size and dtype."""
+        if self._scratch.nbytes < like.nbytes:
+            self._scratch = np.empty(like.nbytes, dtype=np.uint8)
+        return self._scratch[:like.nbytes].view(like.dtype)
 
     def close(self) -> None:
         if self.node is not None:
@@ -159,11 +175,36 @@ def _drive(request) -> None:
     asked (each Test is a step of the transport's progress), so keep asking, yielding
     the core between asks, as MPI's own blocking wait would, and stay interruptible.
     A backoff that sleeps between asks leaves a megabyte in flight for tens of ms."""
-    from .waiting import check_abort
-
     while not request.Test():
         check_abort()
         os.sched_yield()
+
+
+def _drive_all(requests: list) -> None:
+    """_drive for several requests at once."""
+    from mpi4py import MPI
+
+    while not MPI.Request.Testall(requests):
+        check_abort()
+        os.sched_yield()
+
+
+def _exchange_allreduce(flat: np.ndarray, op: str, plan: Plan) -> None:
+    """Allreduce among the leaders by recursive doubling: at step k each leader swaps its
+    whole buffer with leader rank ^ 2**k and combines. Both partners combine the same
+    two operands (IEEE addition, max and min are commutative), so every leader ends
+    with the same bits."""
+    comm = plan.leaders
+    me, size = comm.Get_rank(), comm.Get_size()
+    incoming = plan.scratch(flat)
+    combine = UFUNCS[op]
+    mask = 1
+    while mask < size:
+        peer = me ^ mask
+        _drive_all([comm.Irecv(incoming, peer, _EXCHANGE_TAG),
+                    comm.Isend(flat, peer, _EXCHANGE_TAG)])
+        combine(flat, incoming, out=flat)
+        mask <<= 1
 
 
 def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
@@ -213,6 +254,9 @@ def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
     if plan.node is not None:
         plan.node.allreduce(flat, op, to_root_only=True)
     if plan.leaders is not None:
-        _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
+        if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
+            _exchange_allreduce(flat, op, plan)
+        else:
+            _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
     if plan.node is not None:
         plan.node.broadcast(flat, root=0)
