@@ -457,28 +457,54 @@ def test_a_training_run_draws_every_panel_that_has_data():
 
 
 def test_per_rank_output_collects_each_ranks_text_throttled_and_marks_failures():
-    from mpilab.widgets.rank_output import MAX_CHARS, RankOutputs
+    from mpilab.widgets.rank_output import MAX_CHARS, SNAPSHOT_EVERY_S, RankOutputs
 
     clock = FakeClock()
     outputs = RankOutputs([0, 1, 2, 3])
     outputs.clock = clock
+    sent: list[dict] = []
+    outputs.view.send = lambda content, buffers=None: sent.append(content)
     outputs.feed(0, "a\n")
     outputs.feed(2, "x\n")
-    assert outputs.tick() and outputs.view.texts == {"0": "a\n", "1": "", "2": "x\n", "3": ""}
+    # the first update: what arrived, and the state every view starts from
+    assert outputs.tick() and sent[-1] == {"seq": 0, "append": {"0": "a\n", "2": "x\n"}}
+    assert outputs.view.texts == {"0": "a\n", "1": "", "2": "x\n", "3": ""}
+    assert outputs.view.seq == 0
     outputs.feed(0, "b\n")
     assert not outputs.tick()  # too soon after the last send
     clock.now += 0.3
-    assert outputs.tick() and outputs.view.texts["0"] == "a\nb\n"
+    # only what arrived since; the state is rewritten at most every SNAPSHOT_EVERY_S
+    assert outputs.tick() and sent[-1] == {"seq": 1, "append": {"0": "b\n"}}
+    assert outputs.view.texts["0"] == "a\n" and outputs.view.seq == 0
     assert not outputs.tick(force=True)  # nothing new
+    clock.now += SNAPSHOT_EVERY_S
+    outputs.feed(3, "c\n")
+    assert outputs.tick() and outputs.view.texts["0"] == "a\nb\n" and outputs.view.seq == 2
     outputs.feed(9, "not a rank of this cell")
     outputs.feed(1, "y" * (MAX_CHARS + 10))
     outputs.feed(1, "z\n")
     outputs.finish([2])
     assert outputs.view.failed == [2] and outputs.view.texts["1"].endswith("z\n")
-    assert len(outputs.view.texts["1"]) <= MAX_CHARS
+    assert len(outputs.view.texts["1"]) <= MAX_CHARS and outputs.view.seq == 3
     bundle = outputs.mimebundle()
     assert bundle[WIDGET_VIEW_MIME]["model_id"] == outputs.view.model_id
     assert bundle["text/plain"] == "[per-rank output of ranks 0, 1, 2, 3; failed: 2]"
+
+
+def test_per_rank_output_of_256_ranks_sends_what_arrived_and_summarises_in_one_line():
+    from mpilab.widgets.rank_output import RankOutputs
+
+    outputs = RankOutputs(list(range(256)))
+    sent: list[dict] = []
+    outputs.view.send = lambda content, buffers=None: sent.append(content)
+    for r in range(256):
+        outputs.feed(r, f"step 0 on rank {r}\n")
+    assert outputs.tick()
+    outputs.clock = lambda: time.monotonic() + 1.0
+    outputs.feed(17, "loss nan\n")
+    assert outputs.tick() and sent[-1]["append"] == {"17": "loss nan\n"}
+    outputs.finish([17, 200, 201, 202])
+    assert outputs.summary() == ("[per-rank output of ranks 0-255; failed: 17, 200, 201, 202]")
 
 
 # -- status ------------------------------------------------------------------------------
@@ -764,3 +790,118 @@ def test_a_shown_dashboard_follows_the_store_until_its_run_ends():
     assert dash.redraws == drawn + 1
     dash.mimebundle(final=True)
     assert store._listeners == []
+
+
+# -- views at scale: pure logic ----------------------------------------------------------
+def test_ema_is_debiased_and_skips_gaps():
+    from mpilab.widgets.plotting import ema
+
+    assert list(ema([5.0, 5.0, 5.0], 0.9)) == pytest.approx([5.0, 5.0, 5.0])  # no pull to 0
+    smooth = ema([0.0, 10.0] * 50, 0.85)
+    assert np.ptp(smooth[-20:]) < 3 and smooth[-1] == pytest.approx(5.0, abs=1.5)
+    gap = ema([1.0, float("nan"), 3.0], 0.5)
+    assert gap[1] == gap[0] == 1.0 and 1.0 < gap[2] < 3.0
+
+
+def test_smoothed_traces_are_drawn_over_faint_raw_ones():
+    from mpilab.widgets.plotting import ema
+
+    dash = Dashboard(filled_store(steps=50), world_size=2)
+    dash.refresh()
+    fig = dash.widget.to_figure()
+    smooth = [t for t in fig.data if isinstance(t.meta, dict) and "smooth_of" in t.meta]
+    # every rank's throughput and bandwidth, the total, the two scalars
+    assert sorted(t.name for t in smooth) == ["acc", "loss", "rank 0", "rank 0", "rank 1",
+                                              "rank 1", "total"]
+    for trace in smooth:
+        raw = fig.data[trace.meta["smooth_of"]]
+        assert raw.name == trace.name and raw.opacity < 1 and trace.opacity is None
+        assert np.array_equal(raw.x, trace.x) and np.allclose(trace.y, ema(raw.y))
+    # the static figure draws the same smoothed lines
+    static = dash.static_figure()
+    for got, want in zip(static.data, fig.data):
+        assert np.allclose(_arr(got.y), _arr(want.y), equal_nan=True), got.name
+
+
+def _arr(values) -> np.ndarray:
+    return np.asarray([] if values is None else values, dtype=float)
+
+
+def test_step_band_has_median_and_extremes_once_every_rank_reported():
+    from mpilab.widgets.plotting import StepBand
+
+    band = StepBand()
+    band.add(0, [(1, 10.0), (2, 10.0)], ranks=3)
+    band.add(1, [(1, 20.0)], ranks=3)
+    assert band.median.n == 0  # rank 2 has not reported step 1
+    band.add(2, [(1, 90.0), (2, 30.0)], ranks=3)
+    assert list(band.median.x) == [1] and list(band.median.y) == [20.0]
+    assert list(band.low.y) == [10.0] and list(band.high.y) == [90.0]
+    band.add(1, [(1, 0.0), (2, 20.0)], ranks=3)  # a second report of step 1 is late
+    assert list(band.median.y) == [20.0, 20.0] and list(band.high.y) == [90.0, 30.0]
+
+
+def test_past_16_ranks_the_dashboard_draws_a_band_and_names_the_slowest_ranks():
+    from mpilab.widgets.dashboard import slowest_ranks
+
+    store = MetricsStore(world_size=64)
+    for step in range(30):
+        for r in range(64):  # ranks 5 and 40 compute longest; the others wait for them
+            compute = {5: 0.2, 40: 0.15}.get(r, 0.1)
+            store.add(step_record(r, step, dur=0.21, compute=compute, comm=0.21 - compute,
+                                  samples=32 + r % 3))
+    dash = Dashboard(store, world_size=64)
+    dash.refresh()
+    fig = dash.widget.to_figure()
+    names = [t.name for t in fig.data]
+    assert not any(n.startswith("rank ") for n in names) and len(fig.data) < 20
+    low, high, median = fig.data[0], fig.data[1], fig.data[2]
+    assert high.fill == "tonexty" and median.name == "median rank"
+    assert list(low.y[:1]) == [32 / 0.21] and list(high.y[:1]) == [pytest.approx(34 / 0.21)]
+    assert median.y[0] == pytest.approx(33 / 0.21)
+    assert dash.widget.notes.startswith("slowest ranks: rank 5 (200 ms), rank 40 (150 ms);")
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert list(bars[0].y) == pytest.approx([0.1, 0.2, 0.15, 0.1])  # median, slowest 3
+    assert "slowest ranks 5, 40" in dash.static_figure().layout.title.text or \
+        "rank 5 (200 ms)" in dash.static_figure().layout.title.text
+    assert slowest_ranks({0: (0.1, 0.0), 1: (0.3, 0.0), 2: (0.2, 0.0)}, 2) == [(1, 0.3),
+                                                                                 (2, 0.2)]
+    # 16 ranks keep a line each
+    assert [t.name for t in Dashboard(filled_store(5, 16), 16).static_figure().data][:2] == \
+        ["rank 0", "rank 1"]
+
+
+def test_status_past_32_ranks_is_a_summary_with_the_outliers_and_the_full_table_folded():
+    from mpilab.widgets.status import status_rows, status_summary, summary_lines
+
+    store = MetricsStore(world_size=64)
+    for r in range(64):
+        if r == 20:
+            continue  # never sent a heartbeat
+        record = hb_record(r, phase="running", step=90 if r in (5, 9) else 100)
+        record["host"] = f"node{r // 8}"
+        if r == 7:
+            record["rss"] = 2 << 30
+        store.add(record)
+    store.last_seen[33] -= 3  # late
+    info = [{"rank": r, "host": f"node{r // 8}", "pid": 100 + r, "device": "cpu",
+             "dead": "exit code 9" if r == 3 else ""} for r in range(64)]
+    summary = status_summary(status_rows(info, store), dict(store.heartbeats),
+                             store.heartbeat_ages())
+    assert summary.states == {"running": 62, "dead": 1, "no heartbeat": 1}
+    assert summary.hosts["node0"] == {"running": 7, "dead": 1}
+    outliers = [(kind, r) for kind, r, _ in summary.outliers]
+    assert outliers == [("dead", 3), ("silent", 20), ("silent", 33), ("slowest", 5),
+                        ("slowest", 9), ("most memory", 7)]
+    lines = summary_lines(summary)
+    assert lines[0] == "64 ranks on 8 hosts: 62 running, 1 dead, 1 no heartbeat"
+    assert "slowest: rank 5 (at step 90, others up to 100), rank 9" in "\n".join(lines)
+    table = StatusTable(info, store)
+    assert "mpilab-status-summary" in table.widget.value
+    assert "<table class='mpilab-status'" not in table.widget.value  # folded
+    assert table.widget.table.count("<tr") == 65 and "64 ranks" in table.widget.table_label
+    text = status_text(info, store)
+    assert text.startswith(lines[0]) and "rank  host" in text
+    # 32 ranks: the table as it is
+    small = StatusTable([dict(i) for i in info[:32]], store)
+    assert small.widget.value.count("<tr") == 33 and small.widget.table == ""

@@ -2,9 +2,20 @@
 
 The runner's merged output (identical lines once, each line naming its ranks) stays the
 cell's output; this bar above it lists the ranks, failing ones marked, and shows one
-rank's own output when its button is pressed, live while the cell runs. A saved notebook
-opened without the widget shows a one-line summary instead (text/plain), under which the
-merged output stays readable.
+rank's own output when its button is pressed, live while the cell runs. Past
+BUTTONS_UP_TO ranks a button per rank is a wall of buttons: the bar has a selector of
+the ranks instead (failing ranks first, marked, and each a button of its own), and a
+filter that keeps the ranks whose output holds a text (a `nan`, an error's words). A
+saved notebook opened without the widget shows a one-line summary instead
+(text/plain), under which the merged output stays readable.
+
+Each tick sends only the output that arrived since the last one (a custom message,
+numbered): at 256 ranks the whole text of every rank in each update would grow with the
+run. The widget's state holds every rank's text as of a numbered update, rewritten at
+most every SNAPSHOT_EVERY_S and at the end, so that a view opening at any moment (a
+second display, a page reload) starts from it and applies the newer updates. The
+browser filters and selects by itself: while the cell runs the kernel does not read
+the view's messages.
 """
 
 from __future__ import annotations
@@ -19,11 +30,22 @@ from .plotting import WIDGET_VIEW_MIME
 
 MAX_CHARS = 200_000  # per rank: the newest output; the merged view keeps the rest
 MIN_SEND_INTERVAL_S = 0.25  # at most 4 updates a second, whatever the output rate
+SNAPSHOT_EVERY_S = 5.0  # the state's full texts, for views that open later
+BUTTONS_UP_TO = 16  # ranks with a button each; past this, a selector and a filter
+MAX_FAILED_BUTTONS = 16  # failing ranks with a button of their own past BUTTONS_UP_TO
 
 _RANK_OUTPUT_JS = r"""
 export default {
   render({ model, el }) {
     let selected = null;  // null: the merged view below is the one to read
+    let filter = "";
+    // every rank's text as this view knows it: the state's, then the updates after it
+    let texts = {}, seq = -1;
+    const fromState = () => {
+      texts = { ...model.get("texts") };
+      seq = model.get("seq");
+    };
+    fromState();
     const bar = document.createElement("div");
     bar.className = "mpilab-rank-tabs";
     bar.style.cssText = "font:12px monospace;display:flex;flex-wrap:wrap;gap:4px;" +
@@ -32,6 +54,23 @@ export default {
     pre.className = "mpilab-rank-output";
     pre.style.cssText = "max-height:24em;overflow:auto;margin:4px 0;padding:4px 8px;" +
                         "background:#f7f7f7;border-left:3px solid #999;display:none";
+    // past BUTTONS_UP_TO ranks: a selector of the ranks and a filter of their output
+    const select = document.createElement("select");
+    select.className = "mpilab-rank-select";
+    select.style.cssText = "font:12px monospace;max-width:16em";
+    select.onchange = () => {
+      selected = select.value === "" ? null : Number(select.value);
+      draw();
+    };
+    const find = document.createElement("input");
+    find.className = "mpilab-rank-filter";
+    find.type = "search";
+    find.placeholder = "ranks whose output has…";
+    find.style.cssText = "font:12px monospace;width:14em";
+    find.oninput = () => { filter = find.value; draw(); };
+    const count = document.createElement("span");
+    count.className = "mpilab-rank-count";
+    count.style.color = "#666";
     el.append(bar, pre);
     const button = (label, key, failed) => {
       const b = document.createElement("button");
@@ -46,25 +85,66 @@ export default {
       b.onclick = () => { selected = key; draw(); };
       return b;
     };
+    const mark = (r, failed) => (failed.has(r) ? `rank ${r} \u2717` : `rank ${r}`);
+    const drawSelector = (ranks, failed) => {
+      // the failing ranks first, then the others; only those whose output has `filter`
+      const wanted = filter ? ranks.filter((r) => (texts[String(r)] || "").includes(filter))
+                            : ranks;
+      const ordered = [...wanted.filter((r) => failed.has(r)),
+                       ...wanted.filter((r) => !failed.has(r))];
+      const first = document.createElement("option");
+      first.value = "";
+      first.textContent = filter ? `${ordered.length} of ${ranks.length} ranks`
+                                 : `rank… (${ranks.length})`;
+      select.replaceChildren(first, ...ordered.map((r) => {
+        const o = document.createElement("option");
+        o.value = String(r);
+        o.textContent = mark(r, failed);
+        if (failed.has(r)) o.style.color = "#c62828";
+        return o;
+      }));
+      select.value = selected === null || !wanted.includes(selected) ? "" : String(selected);
+      count.textContent = failed.size ? `${failed.size} failed` : "";
+      const shown = [...failed].sort((a, b) => a - b).slice(0, MAX_FAILED_BUTTONS);
+      return [select, find, count, ...shown.map((r) => button(mark(r, failed), r, true))];
+    };
     const draw = () => {
       const failed = new Set(model.get("failed"));
+      const ranks = model.get("ranks");
       const label = document.createElement("span");
       label.textContent = "output:";
-      bar.replaceChildren(label, button("merged", null, false),
-        ...model.get("ranks").map((r) =>
-          button(failed.has(r) ? `rank ${r} \u2717` : `rank ${r}`, r, failed.has(r))));
+      const rest = ranks.length > BUTTONS_UP_TO ? drawSelector(ranks, failed)
+        : ranks.map((r) => button(mark(r, failed), r, failed.has(r)));
+      bar.replaceChildren(label, button("merged", null, false), ...rest);
       if (selected === null) { pre.style.display = "none"; return; }
       const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-      pre.textContent = model.get("texts")[String(selected)] || "(no output)";
+      pre.textContent = texts[String(selected)] || "(no output)";
       pre.style.display = "block";
       if (atEnd) pre.scrollTop = pre.scrollHeight;  // follows the output, unless read above
     };
+    // the kernel's numbered updates: the output each rank printed since the last one
+    const onUpdate = (msg) => {
+      if (!msg || msg.seq === undefined || msg.seq <= seq) return;
+      seq = msg.seq;
+      for (const [r, text] of Object.entries(msg.append || {})) {
+        const all = (texts[r] || "") + text;
+        texts[r] = all.length > MAX_CHARS ? all.slice(all.length - MAX_CHARS) : all;
+      }
+      // the bar changes only with the filter (which ranks match) or the failures
+      if (filter) draw();
+      else if (selected !== null && msg.append && String(selected) in msg.append) draw();
+    };
+    const onState = () => {
+      if (model.get("seq") >= seq) { fromState(); draw(); }
+    };
     draw();
-    model.on("change:texts", draw);
+    model.on("msg:custom", onUpdate);
+    model.on("change:texts", onState);
     model.on("change:failed", draw);
     model.on("change:ranks", draw);
     return () => {
-      model.off("change:texts", draw);
+      model.off("msg:custom", onUpdate);
+      model.off("change:texts", onState);
       model.off("change:failed", draw);
       model.off("change:ranks", draw);
     };
@@ -76,15 +156,19 @@ export default {
 class RankOutputView(anywidget.AnyWidget):
     """Each rank's output text and which ranks failed, for the per-rank bar."""
 
-    _esm = _RANK_OUTPUT_JS
+    _esm = (f"const BUTTONS_UP_TO = {BUTTONS_UP_TO};\n"
+            f"const MAX_FAILED_BUTTONS = {MAX_FAILED_BUTTONS};\n"
+            f"const MAX_CHARS = {MAX_CHARS};\n{_RANK_OUTPUT_JS}")
     ranks = traitlets.List(traitlets.Int()).tag(sync=True)
-    texts = traitlets.Dict().tag(sync=True)  # str(rank) -> that rank's output
+    texts = traitlets.Dict().tag(sync=True)  # str(rank) -> that rank's output, as of `seq`
+    seq = traitlets.Int(-1).tag(sync=True)  # the last update `texts` includes
     failed = traitlets.List(traitlets.Int()).tag(sync=True)
 
 
 class RankOutputs:
-    """Collects a cell's output per rank as it arrives and keeps the view up to date,
-    at most every MIN_SEND_INTERVAL_S (`tick`), and at once at `finish`."""
+    """Collects a cell's output per rank as it arrives and keeps the view up to date:
+    what arrived is sent at most every MIN_SEND_INTERVAL_S (`tick`), and at once at
+    `finish`."""
 
     clock = staticmethod(time.monotonic)
 
@@ -92,9 +176,11 @@ class RankOutputs:
         self.ranks = list(ranks)
         self._texts = {r: [] for r in self.ranks}
         self._chars = {r: 0 for r in self.ranks}
+        self._new: dict[int, list[str]] = {}  # rank -> what arrived since the last send
         self._failed: list[int] = []
-        self._dirty = False
         self._sent_at = -float("inf")
+        self._snapshot_at = -float("inf")
+        self._seq = -1
         self._lock = threading.Lock()
         self.sends = 0
         self.display_id: str | None = None  # the output that shows it (the runner's)
@@ -109,25 +195,41 @@ class RankOutputs:
             self._chars[rank] += len(text)
             while self._chars[rank] > MAX_CHARS and len(parts) > 1:
                 self._chars[rank] -= len(parts.pop(0))
-            self._dirty = True
+            self._new.setdefault(rank, []).append(text)
 
     def tick(self, force: bool = False) -> bool:
         """Send what arrived if the last send is old enough; whether it sent."""
         now = self.clock()
-        if not self._dirty or (not force and now - self._sent_at < MIN_SEND_INTERVAL_S):
+        if not self._new or (not force and now - self._sent_at < MIN_SEND_INTERVAL_S):
             return False
         with self._lock:
-            texts = {str(r): "".join(parts)[-MAX_CHARS:] for r, parts in self._texts.items()}
-            self._dirty = False
+            new, self._new = self._new, {}
+            self._seq += 1
+            seq = self._seq
+            snapshot = force or now - self._snapshot_at >= SNAPSHOT_EVERY_S
+            texts = ({str(r): "".join(parts)[-MAX_CHARS:] for r, parts in self._texts.items()}
+                     if snapshot else None)
         self._sent_at = now
-        self.view.texts = texts
+        self.view.send({"seq": seq,
+                        "append": {str(r): "".join(parts)[-MAX_CHARS:]
+                                   for r, parts in new.items()}})
+        if texts is not None:
+            self._snapshot_at = now
+            with self.view.hold_sync():
+                self.view.texts = texts
+                self.view.seq = seq
         self.sends += 1
         return True
 
     def finish(self, failed: list[int]) -> None:
         self._failed = sorted(set(failed))
-        self._dirty = True
         self.tick(force=True)
+        if self.view.seq != self._seq:  # nothing new to send: the state, as it is
+            with self._lock:
+                texts = {str(r): "".join(parts)[-MAX_CHARS:] for r, parts in self._texts.items()}
+            with self.view.hold_sync():
+                self.view.texts = texts
+                self.view.seq = self._seq
         self.view.failed = self._failed
 
     def text(self, rank: int) -> str:
@@ -136,10 +238,23 @@ class RankOutputs:
 
     def summary(self) -> str:
         """The view's one line for frontends without widgets (a saved notebook)."""
-        failed = f"; failed: {', '.join(map(str, self._failed))}" if self._failed else ""
-        return f"[per-rank output of ranks {', '.join(map(str, self.ranks))}{failed}]"
+        failed = f"; failed: {_ranks_text(self._failed)}" if self._failed else ""
+        return f"[per-rank output of ranks {_ranks_text(self.ranks)}{failed}]"
 
     def mimebundle(self) -> dict:
         return {WIDGET_VIEW_MIME: {"version_major": 2, "version_minor": 0,
                                    "model_id": self.view.model_id},
                 "text/plain": self.summary()}
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """0, 1, 2, 3 (up to 8 ranks), or runs: 0-255 (256 ranks), 0-2, 4-9."""
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
