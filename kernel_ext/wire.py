@@ -1,20 +1,211 @@
-"""What crosses between the notebook and the ranks outside the record channel, defined
-once for both sides: the environment a launcher hands the ranks, and the line a rank's
-supervisor writes to the launcher's output when its engine ends.
+"""What crosses between the notebook and the ranks, defined once for both sides.
 
-Light to import: the ranks' supervisor imports it before anything else.
+- The record channel: the kinds of record a rank's agent sends, their fields, the
+  tables the per-step kinds travel as, the limits of a message, and the one encoder
+  (rank side) and decoder (notebook side) of its messages.
+- The environment a launcher hands the ranks.
+- The line a rank's supervisor writes to the launcher's output when its engine ends.
+
+Light to import: the ranks' supervisor imports it before anything else and every rank's
+agent imports it; msgpack is imported only where a message is made or read.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import re
 import socket
+from array import array
 from dataclasses import dataclass
 
+# -- the record channel: kinds and fields ------------------------------------------------
+# Every record is a msgpack map with its kind "k", the sending rank "r" and the time it
+# was made "t" (epoch s), then its kind's fields.
+HEARTBEAT = "hb"  # the rank's state, every HEARTBEAT_INTERVAL_S and on a change
+EVENT = "event"  # something that happened once ("what": cell-start, cell-end, progress, …)
+ROWS = "rows"  # a block of one table's rows: how the tabular kinds (TABLES) travel
+
+NUMBER = (int, float)
+
+# The heartbeat's fields that the notebook checks (a heartbeat without them is dropped) …
+HEARTBEAT_FIELDS: dict[str, tuple[type, ...]] = {
+    "pid": (int,), "host": (str,), "phase": (str,), "op": (str,), "seq": (int,),
+    "op_age": NUMBER, "rss": (int,), "step": (int,)}
+# … and those it reads when present (Agent.heartbeat sends all of them)
+HEARTBEAT_EXTRA: dict[str, tuple[type, ...]] = {
+    "op_nbytes": (int,), "op_shape": (str,), "cell": (int,), "dev_mem": (int,),
+    "where": (str,), "recent": (list,)}  # recent: [[seq, op, nbytes], …], newest last
+
+
+@dataclass(frozen=True)
+class Table:
+    """How records of one kind travel as rows: one table per rank and `labels` (the
+    record's text fields), one float64 column per numeric field, time first."""
+
+    labels: tuple[str, ...]
+    columns: tuple[str, ...]
+    ints: frozenset[str] = frozenset()  # whole numbers (they are ints in the records)
+    optional: frozenset[str] = frozenset()  # may be missing: NaN in the table
+
+
+TABLES: dict[str, Table] = {
+    "step": Table((), ("t", "step", "dur", "compute", "comm", "nbytes", "samples"),
+                  ints=frozenset({"step", "nbytes", "samples"})),
+    "span": Table(("name", "cat"), ("t", "ts", "dur", "nbytes", "seq"),
+                  ints=frozenset({"nbytes", "seq"}), optional=frozenset({"nbytes", "seq"})),
+    # one row per logged scalar: `log(loss=…, acc=…)` is two rows at the same time
+    "log": Table(("name",), ("t", "step", "value"), ints=frozenset({"step"})),
+}
+
+# kind -> the fields a record of it must have, with their types: records as a rank makes
+# them. Those of a tabular kind are checked by the encoder and travel as ROWS blocks.
+RECORD_FIELDS: dict[str, dict[str, tuple[type, ...]]] = {
+    HEARTBEAT: HEARTBEAT_FIELDS,
+    "step": {"step": (int,), "dur": NUMBER, "compute": NUMBER, "comm": NUMBER,
+             "nbytes": (int,), "samples": (int,)},
+    "log": {"step": (int,), "values": (dict,)},
+    "span": {"name": (str,), "cat": (str,), "ts": NUMBER, "dur": NUMBER},
+    EVENT: {"what": (str,)},
+    ROWS: {"of": (str,), "labels": (list,), "data": (bytes,)},
+}
+# the kinds a message carries: the tabular ones only inside ROWS blocks
+SENT_KINDS = frozenset({HEARTBEAT, EVENT, ROWS})
+
+# -- the record channel: messages ----------------------------------------------------------
+MAX_MESSAGE_BYTES = 256 * 1024  # the notebook's limit on one message (a batch of records)
+MAX_BATCH_RECORDS = 1000  # and on the records in one message
+BATCH_RECORDS = 100  # records per message the encoder makes (well under the limit)
+BATCH_BYTES = 128 * 1024  # and bytes of rows
+MAX_TABLE_ROWS = 1000  # rows per block: a block of 8 columns is 64 KB
+
+
+def fields_fit(record: dict) -> bool:
+    """True when a record has its kind's fields with their types (whatever its rank):
+    a bool is no number, a logged scalar is a number under a text name."""
+    kind = record.get("k")
+    fields = RECORD_FIELDS.get(kind) if type(kind) is str else None
+    if fields is None or not isinstance(record.get("t"), NUMBER):
+        return False
+    for name, types in fields.items():
+        value = record.get(name)
+        if not isinstance(value, types) or isinstance(value, bool):
+            return False
+    if record["k"] == "log":
+        return all(isinstance(k, str) and isinstance(v, NUMBER) and not isinstance(v, bool)
+                   for k, v in record["values"].items())
+    return True
+
+
+def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
+    """(kind, labels, row) of each row a record of a tabular kind makes."""
+    kind = record["k"]
+    if kind == "log":
+        t, step = record["t"], record["step"]
+        return [("log", (name,), (t, step, value)) for name, value in record["values"].items()]
+    table = TABLES[kind]
+    return [(kind, tuple(record[label] for label in table.labels),
+             tuple(record.get(column, math.nan) if column in table.optional else record[column]
+                   for column in table.columns))]
+
+
+def tabulate(rank: int, records: list[dict | tuple]) -> list[dict]:
+    """The records with those of tabular kinds turned into blocks of rows (a ROWS record
+    per table and at most MAX_TABLE_ROWS rows), then the others as they are: an event such
+    as a cell's end comes after the steps before it, in whatever message. A record of a
+    tabular kind without its fields (fields_fit) is dropped here.
+
+    A tuple is a collective's span as ``Agent.span`` queues it: (name, ts, end, nbytes,
+    seq), a row of the span table of category "comm"."""
+    blocks: list[dict] = []
+    others: list[dict] = []
+    tables: dict[tuple, list[tuple]] = {}
+    for record in records:
+        if type(record) is tuple:
+            name, ts, end, nbytes, seq = record
+            tables.setdefault(("span", (name, "comm")), []).append(
+                (end, ts, end - ts, nbytes, seq))
+            continue
+        if record["k"] not in TABLES:
+            others.append(record)
+            continue
+        if not fields_fit(record):
+            continue  # not what its kind says: dropped
+        for kind, labels, row in table_rows(record):
+            tables.setdefault((kind, labels), []).append(row)
+    for (kind, labels), rows in tables.items():
+        for start in range(0, len(rows), MAX_TABLE_ROWS):
+            block = rows[start:start + MAX_TABLE_ROWS]
+            try:
+                data = array("d", itertools.chain.from_iterable(block)).tobytes()
+            except TypeError:
+                continue  # a value that is not a number: the block is dropped
+            blocks.append({"k": ROWS, "r": rank, "t": block[-1][0], "of": kind,
+                           "labels": list(labels), "data": data})
+    return blocks + others
+
+
+def batches(records: list[dict]) -> list[list[dict]]:
+    """Records in messages of at most BATCH_RECORDS records and BATCH_BYTES of rows."""
+    out: list[list[dict]] = []
+    size = 0
+    for record in records:
+        nbytes = len(record.get("data", b""))
+        if not out or len(out[-1]) == BATCH_RECORDS or size + nbytes > BATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(record)
+        size += nbytes
+    return out
+
+
+def encode(rank: int, records: list[dict | tuple]) -> list[bytes]:
+    """A rank's records as the messages it sends: blocks of rows, then the rest. The only
+    encoder of the channel: the agent's thread, and whatever stands in for a rank (the
+    store's `add`, the benchmarks' simulated ranks), make their messages here."""
+    import msgpack
+
+    pack = msgpack.Packer(use_bin_type=True).pack
+    messages = []
+    for part in batches(tabulate(rank, records)):
+        try:
+            messages.append(pack(part))
+        except (TypeError, ValueError):
+            continue  # a record msgpack cannot carry: its message is dropped
+    return messages
+
+
+def _refuse_ext(code, data):
+    raise ValueError("msgpack extension types are not accepted")
+
+
+def decode(raw: bytes) -> list:
+    """The records of one message, to be checked one by one (the channel carries data,
+    never code: msgpack only, no extension types). A message of one record is a batch of
+    one; a message that cannot be read (too long, not msgpack, a batch of more than
+    MAX_BATCH_RECORDS or of things other than maps) is one malformed record, None."""
+    import msgpack
+
+    try:
+        if len(raw) > MAX_MESSAGE_BYTES:
+            raise ValueError("oversized")
+        payload = msgpack.unpackb(raw, raw=False, strict_map_key=True, ext_hook=_refuse_ext)
+    except Exception:  # noqa: BLE001 - any undecodable payload is one malformed record
+        return [None]
+    if type(payload) is dict:
+        return [payload]
+    if type(payload) is list and 0 < len(payload) <= MAX_BATCH_RECORDS and all(
+            type(record) is dict for record in payload):
+        return payload
+    return [None]
+
+
+# -- the ranks' environment -----------------------------------------------------------------
 # torch.distributed's own collective timeout, as `%mpilab start --collective-timeout` set it
 COLLECTIVE_TIMEOUT_ENV = "MPILAB_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
+# -- the supervisor's report ------------------------------------------------------------------
 REPORT_PREFIX = "mpilab-engine-exit"
 _REPORT = re.compile(re.escape(REPORT_PREFIX) + r" host=(?P<host>\S+) pid=(?P<pid>\d+|-) "
                      r"(?P<cause>.+)")

@@ -1,5 +1,6 @@
-"""Unit tests of the record channel's notebook end: validation, the store, the exporters,
-and the receiver's PULL socket under garbage."""
+"""Unit tests of the record channel: the schema both sides share (mpilab.wire), the
+notebook's checks, the store, the exporters, and the receiver's PULL socket under
+garbage. Records reach the store as the ranks send them: through the ranks' encoder."""
 
 from __future__ import annotations
 
@@ -12,14 +13,20 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from mpilab.channel import (
+from mpilab.cell_window import CellWindow
+from mpilab.metrics_store import MetricsStore
+from mpilab.rank.agent import Agent
+from mpilab.receiver import RecordReceiver
+from mpilab.records import validate
+from mpilab.wire import (
+    BATCH_RECORDS,
+    HEARTBEAT_EXTRA,
+    HEARTBEAT_FIELDS,
     MAX_MESSAGE_BYTES,
-    CellWindow,
-    MetricsStore,
-    RecordReceiver,
-    validate,
+    encode,
+    fields_fit,
+    tabulate,
 )
-from mpilab.rank.agent import BATCH_RECORDS, encode, tabulate
 
 T0 = 1_700_000_000.0
 
@@ -40,10 +47,25 @@ def with_(record: dict, **changes) -> dict:
     return {k: v for k, v in out.items() if v is not ...}
 
 
-# -- validate -------------------------------------------------------------------------------
+# -- the schema and the checks ----------------------------------------------------------------
 @pytest.mark.parametrize("kind", sorted(GOOD))
-def test_validate_accepts_good_records(kind):
-    assert validate(dict(GOOD[kind]), world_size=2)
+def test_what_the_encoder_makes_of_good_records_arrives_valid(kind):
+    assert fields_fit(GOOD[kind])
+    (message,) = encode(GOOD[kind]["r"], [dict(GOOD[kind])])
+    received = msgpack.unpackb(message)
+    assert received and all(validate(record, world_size=2) for record in received)
+    # the tabular kinds travel only as blocks of rows (the log's two scalars: two blocks)
+    travels = {"hb": ["hb"], "event": ["event"], "log": ["rows", "rows"]}
+    assert [r["k"] for r in received] == travels.get(kind, ["rows"])
+    assert validate(GOOD[kind], world_size=2) == (kind in ("hb", "event"))
+
+
+def test_a_heartbeat_has_the_fields_of_the_schema():
+    beat = Agent(rank=1, world_size=2, address=None).heartbeat()
+    assert set(beat) == {"k", "r", "t", *HEARTBEAT_FIELDS, *HEARTBEAT_EXTRA}
+    assert validate(beat, world_size=2)
+    for name, types in {**HEARTBEAT_FIELDS, **HEARTBEAT_EXTRA}.items():
+        assert isinstance(beat[name], types), name
 
 
 @pytest.mark.parametrize("record", [
@@ -67,8 +89,25 @@ def test_validate_accepts_good_records(kind):
     with_(GOOD["span"], ts=[1]),
     with_(GOOD["event"], what=b"bytes"),
 ])
-def test_validate_rejects_malformed_records(record):
+def test_malformed_records_are_dropped_and_counted(record):
+    """By the ranks' encoder (a record of a tabular kind without its fields) or by the
+    notebook's checks (a record as it arrives)."""
     assert not validate(record, world_size=2)
+    store = MetricsStore(world_size=2)
+    assert not store.add(record)
+    assert store.dropped == 1 and store.received == 0 and store.version == 0
+
+
+@pytest.mark.parametrize("record", [
+    {"k": ["hb"], "r": 0, "t": T0},  # a kind that cannot be looked up
+    {"k": "rows", "r": 0, "t": T0, "of": ["step"], "labels": [], "data": b"\0" * 56},
+    {"k": "rows", "r": 0, "t": T0, "of": {"step": 1}, "labels": [], "data": b"\0" * 56},
+])
+def test_unhashable_kinds_are_dropped_not_raised(record):
+    store = MetricsStore(world_size=2)
+    assert not validate(record, world_size=2)
+    assert not store.add_raw(msgpack.packb([record]))
+    assert store.dropped == 1
 
 
 # -- the store ------------------------------------------------------------------------------
@@ -76,7 +115,8 @@ def test_store_files_records_by_kind_and_rank():
     store = MetricsStore(world_size=2)
     for kind in ("step", "log", "span", "event", "hb"):
         assert store.add(dict(GOOD[kind]))
-    assert store.received == 5 and store.dropped == 0 and store.version == 5
+    # the log record's two scalars are two rows: a row counts as a record
+    assert store.received == 6 and store.dropped == 0 and store.version == 6
     assert store.records("step") == [store.records("step", rank=1)[0]]
     assert store.records("step", rank=0) == []
     assert store.records("hb") == []  # heartbeats keep only the latest
@@ -175,12 +215,14 @@ def test_store_add_raw_drops_and_counts_garbage():
         msgpack.packb(msgpack.ExtType(42, b"code")),
         msgpack.packb({**GOOD["step"], "dur": msgpack.ExtType(1, b"x")}),
         pickle.dumps(GOOD["step"]),
-        msgpack.packb({**GOOD["step"], "pad": "x" * MAX_MESSAGE_BYTES}),
+        msgpack.packb({**GOOD["event"], "pad": "x" * MAX_MESSAGE_BYTES}),
+        msgpack.packb(GOOD["step"]),  # a step outside a block of rows: never sent so
     ]
     for raw in garbage:
         assert not store.add_raw(raw)
     assert store.dropped == len(garbage) and store.received == 0 and store.version == 0
-    assert store.add_raw(msgpack.packb(GOOD["step"]))
+    (message,) = encode(1, [GOOD["step"]])
+    assert store.add_raw(message)
     assert store.received == 1
 
 
@@ -278,15 +320,17 @@ def test_receiver_drops_garbage_and_files_good_records():
             pickle.dumps(GOOD["step"]),  # the channel never unpickles
         ]
         good = [GOOD["step"], GOOD["log"], GOOD["hb"]]
+        filed = 4  # the log record's two scalars are two rows
         for raw in garbage[:3]:
             push.send(raw)
         for record in good:
-            push.send(msgpack.packb(record))
+            for message in encode(record["r"], [record]):
+                push.send(message)
         for raw in garbage[3:]:
             push.send(raw)
-        wait_for(lambda: store.received + store.dropped == len(garbage) + len(good))
+        wait_for(lambda: store.received + store.dropped == len(garbage) + filed)
         assert store.dropped == len(garbage)
-        assert store.received == len(good)
+        assert store.received == filed
         assert [rec["step"] for rec in store.records("step")] == [3]
         assert store.records("log")[0]["values"] == {"loss": 0.5, "acc": 1}
         assert store.heartbeats[0]["host"] == "h"
@@ -304,15 +348,33 @@ def test_receiver_drops_garbage_and_files_good_records():
 
 def test_store_files_a_batch_and_drops_only_its_bad_records():
     store = MetricsStore(world_size=2)
-    batch = [with_(GOOD["step"], step=i) for i in range(3)]
+    batch = tabulate(1, [with_(GOOD["step"], step=i) for i in range(3)] +
+                     [with_(GOOD["event"], what=str(i)) for i in range(2)])
     assert store.add_raw(msgpack.packb(batch))
-    assert len(store.records("step")) == 3
-    assert not store.add_raw(msgpack.packb([*batch, {"k": "step", "r": 7}]))
+    assert len(store.records("step")) == 3 and len(store.records("event")) == 2
+    assert not store.add_raw(msgpack.packb([*batch, {"k": "event", "r": 7, "t": T0,
+                                                     "what": "x"}]))
     assert store.dropped == 1  # only the malformed record; the good ones are filed
-    assert len(store.records("step")) == 6
+    assert len(store.records("step")) == 6 and len(store.records("event")) == 4
     # more than a batch holds: one malformed message, none of its records filed
-    assert not store.add_raw(msgpack.packb([GOOD["step"]] * 1001))
-    assert store.dropped == 2 and len(store.records("step")) == 6
+    assert not store.add_raw(msgpack.packb([GOOD["event"]] * 1001))
+    assert store.dropped == 2 and len(store.records("event")) == 4
+
+
+def test_a_round_of_messages_drops_only_its_bad_blocks():
+    """The receiver files a round of messages at once, their blocks checked together:
+    a block with a row that does not fit is dropped alone."""
+    store = MetricsStore(world_size=2)
+    good = [encode(r, [with_(GOOD["step"], r=r, step=s) for s in range(3)])[0]
+            for r in range(2)]
+    half_step = block(data=np.array([[T0, 3.5, 0.1, 0.07, 0.02, 4096, 32]]).tobytes())
+    spans = tabulate(0, [with_(GOOD["span"], r=0, seq=...), with_(GOOD["span"], r=0)])
+    assert store.add_messages([good[0], msgpack.packb([half_step]), good[1],
+                               msgpack.packb(spans)]) == 1
+    assert store.dropped == 1
+    assert [(r["r"], r["step"]) for r in store.records("step")] == [
+        (rank, step) for rank in range(2) for step in range(3)]
+    assert len(store.records("span", rank=0)) == 2  # a missing seq is NaN, not a bad row
 
 
 def run_records(rank: int, steps: int) -> list[dict]:
@@ -388,7 +450,7 @@ def test_malformed_blocks_are_dropped_and_counted(bad):
 
 def test_a_record_whose_optional_field_is_no_number_is_dropped():
     store = MetricsStore(world_size=2)
-    assert validate(with_(GOOD["span"], seq="x"), world_size=2)  # the schema has no seq
+    assert fields_fit(with_(GOOD["span"], seq="x"))  # the schema has no seq
     assert not store.add(with_(GOOD["span"], seq="x"))
     assert store.dropped == 1 and store.records("span") == []
 
@@ -453,7 +515,7 @@ def test_receiver_tells_listeners_once_per_round_of_batches():
     push = zmq.Context.instance().socket(zmq.PUSH)
     try:
         push.connect(receiver.address)
-        batches = [msgpack.packb([with_(GOOD["step"], r=rank, step=s) for s in range(5)])
+        batches = [encode(rank, [with_(GOOD["step"], r=rank, step=s) for s in range(5)])[0]
                    for rank in range(2)]
         for batch in batches:
             push.send(batch)

@@ -6,13 +6,9 @@ from __future__ import annotations
 
 import msgpack
 import numpy as np
-from mpilab.channel import (
-    MAX_STORE_ROWS,
-    MIN_TABLE_ROWS,
-    TABLE_BYTES_PER_ROW,
-    MetricsStore,
-)
-from mpilab.rank.agent import encode
+from mpilab.metrics_store import MetricsStore
+from mpilab.row_tables import MAX_STORE_ROWS, MIN_TABLE_ROWS, TABLE_BYTES_PER_ROW
+from mpilab.wire import encode
 
 RANKS = 1024
 T0 = 1_700_000_000.0

@@ -8,13 +8,13 @@ thread-safe). Without a notebook (a batch job), records are simply not sent.
 The per-step kinds (steps, spans, logged scalars: several a step) travel as tables:
 that thread turns each kind's records into rows of float64 numbers, one binary block
 per table, which the notebook files without looking at each record (it shares the
-cores the ranks train on).
+cores the ranks train on). What a record holds and how messages are made is
+mpilab.wire's (the schema both sides import).
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import linecache
 import math
 import os
@@ -22,9 +22,19 @@ import socket
 import sys
 import threading
 import time
-from array import array
 from dataclasses import dataclass, field
 from threading import get_ident
+
+# the channel's schema and its encoder; TABLES, MAX_TABLE_ROWS, table_rows and tabulate
+# stay importable from here for the rank-side code and tests that name them
+from ..wire import (  # noqa: F401
+    HEARTBEAT,
+    MAX_TABLE_ROWS,
+    TABLES,
+    encode,
+    table_rows,
+    tabulate,
+)
 
 HEARTBEAT_INTERVAL_S = 0.5
 # Records leave in batches at wall-clock multiples of this, the same moments on every
@@ -32,81 +42,8 @@ HEARTBEAT_INTERVAL_S = 0.5
 # them, as they arrive. A record reaches the notebook within this; each send wakes this
 # process, its ZMQ thread and the notebook kernel, on cores the training shares.
 SEND_INTERVAL_S = 0.25
-BATCH_RECORDS = 100  # records per message (well under the receiver's size limit)
-BATCH_BYTES = 128 * 1024  # and bytes of rows
 MAX_QUEUED_RECORDS = 50_000
 TAKEN_RECORDS = 1000  # queued records the thread encodes at a time
-MAX_TABLE_ROWS = 1000  # rows per block: a block of 8 columns is 64 KB
-
-
-@dataclass(frozen=True)
-class Table:
-    """How records of one kind travel as rows: one table per rank and `labels` (the
-    record's text fields), one float64 column per numeric field, time first."""
-
-    labels: tuple[str, ...]
-    columns: tuple[str, ...]
-    ints: frozenset[str] = frozenset()  # whole numbers (they are ints in the records)
-    optional: frozenset[str] = frozenset()  # may be missing: NaN in the table
-
-
-TABLES = {
-    "step": Table((), ("t", "step", "dur", "compute", "comm", "nbytes", "samples"),
-                  ints=frozenset({"step", "nbytes", "samples"})),
-    "span": Table(("name", "cat"), ("t", "ts", "dur", "nbytes", "seq"),
-                  ints=frozenset({"nbytes", "seq"}), optional=frozenset({"nbytes", "seq"})),
-    # one row per logged scalar: `log(loss=…, acc=…)` is two rows at the same time
-    "log": Table(("name",), ("t", "step", "value"), ints=frozenset({"step"})),
-}
-
-
-def table_rows(record: dict) -> list[tuple[str, tuple, tuple]]:
-    """(kind, labels, row) of each row a record of a tabular kind makes."""
-    kind = record["k"]
-    if kind == "log":
-        t, step = record["t"], record["step"]
-        return [("log", (name,), (t, step, value)) for name, value in record["values"].items()]
-    table = TABLES[kind]
-    return [(kind, tuple(record[label] for label in table.labels),
-             tuple(record.get(column, math.nan) if column in table.optional else record[column]
-                   for column in table.columns))]
-
-
-def tabulate(rank: int, records: list[dict | tuple]) -> list[dict]:
-    """The records with those of tabular kinds turned into blocks of rows (a `rows`
-    record per table and at most MAX_TABLE_ROWS rows), then the others as they are: an
-    event such as a cell's end comes after the steps before it, in whatever message.
-
-    A tuple is a collective's span as ``Agent.span`` queues it: (name, ts, end, nbytes,
-    seq), a row of the span table of category "comm"."""
-    blocks: list[dict] = []
-    others: list[dict] = []
-    tables: dict[tuple, list[tuple]] = {}
-    for record in records:
-        if type(record) is tuple:
-            name, ts, end, nbytes, seq = record
-            tables.setdefault(("span", (name, "comm")), []).append(
-                (end, ts, end - ts, nbytes, seq))
-            continue
-        if record["k"] not in TABLES:
-            others.append(record)
-            continue
-        try:
-            rows = table_rows(record)
-        except (KeyError, AttributeError):
-            continue  # not what its kind says: dropped
-        for kind, labels, row in rows:
-            tables.setdefault((kind, labels), []).append(row)
-    for (kind, labels), rows in tables.items():
-        for start in range(0, len(rows), MAX_TABLE_ROWS):
-            block = rows[start:start + MAX_TABLE_ROWS]
-            try:
-                data = array("d", itertools.chain.from_iterable(block)).tobytes()
-            except TypeError:
-                continue  # a value that is not a number: the block is dropped
-            blocks.append({"k": "rows", "r": rank, "t": block[-1][0], "of": kind,
-                           "labels": list(labels), "data": data})
-    return blocks + others
 
 
 @dataclass
@@ -163,8 +100,8 @@ class Agent:
     def heartbeat(self) -> dict:
         st = self.state
         now = time.time()
-        return {
-            "k": "hb",
+        return {  # the fields of wire.HEARTBEAT_FIELDS and wire.HEARTBEAT_EXTRA
+            "k": HEARTBEAT,
             "r": self.rank,
             "t": now,
             "pid": self.pid,
@@ -323,34 +260,6 @@ def shape_text(shape: str | tuple) -> str:
     if isinstance(shape, str):
         return shape
     return "x".join(str(s) for s in shape) or "scalar"
-
-
-def encode(rank: int, records: list[dict | tuple]) -> list[bytes]:
-    """A rank's records as the messages it sends: blocks of rows, then the rest."""
-    import msgpack  # on the agent's thread: importing mpilab.rank stays cheap
-
-    pack = msgpack.Packer(use_bin_type=True).pack
-    messages = []
-    for part in batches(tabulate(rank, records)):
-        try:
-            messages.append(pack(part))
-        except (TypeError, ValueError):
-            continue  # a record msgpack cannot carry: its message is dropped
-    return messages
-
-
-def batches(records: list[dict]) -> list[list[dict]]:
-    """Records in messages of at most BATCH_RECORDS records and BATCH_BYTES of rows."""
-    out: list[list[dict]] = []
-    size = 0
-    for record in records:
-        nbytes = len(record.get("data", b""))
-        if not out or len(out[-1]) == BATCH_RECORDS or size + nbytes > BATCH_BYTES:
-            out.append([])
-            size = 0
-        out[-1].append(record)
-        size += nbytes
-    return out
 
 
 def next_send_time(now: float) -> float:

@@ -1,0 +1,64 @@
+"""Which of the store's records belong to one cell: per rank, those between the cell's
+start and end events there (a cell may wait on the ranks behind a --noblock one)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .metrics_store import MetricsStore
+
+Bounds = dict[int, tuple[float, float]]  # rank -> (from, until), epoch s: one run's records
+
+
+@dataclass(frozen=True)
+class CellMarks:
+    """One cell on one rank, from its cell-start and cell-end events."""
+
+    start: float
+    end: float  # inf while it runs
+    number: int  # the rank's count of cells: its heartbeats carry it
+
+
+@dataclass
+class CellWindow:
+    """Which records are one cell's. A cell may wait on the ranks behind a --noblock one,
+    so per rank they are those between its cell-start and cell-end events there, which
+    name the cell's execute request. Without `msg_ids`: every rank's from `since` on."""
+
+    since: float  # epoch s: when the cell was run (it begins on the ranks later)
+    msg_ids: dict[int, str] | None = None  # rank -> the cell's execute request there
+    _marks: dict[int, CellMarks] = field(default_factory=dict)
+    _events_read: int = -1  # the store's count of events when the marks were read
+
+    def bounds(self, store: MetricsStore) -> Bounds:
+        """The ranks whose records count now, and from when until when."""
+        if self.msg_ids is None:
+            return {r: (self.since, math.inf) for r in range(store.world_size)}
+        return {r: (m.start, m.end) for r, m in self._read(store).items()}
+
+    def numbers(self, store: MetricsStore) -> dict[int, int]:
+        """rank -> the cell's number there (its heartbeats carry it), once begun there;
+        none without `msg_ids`, as the numbers come from the ranks' cell-start events."""
+        return {r: m.number for r, m in self._read(store).items()}
+
+    def _read(self, store: MetricsStore) -> dict[int, CellMarks]:
+        # read again until the cell ends everywhere, when an event came since (the
+        # watchdog asks 20 times a second: at 1,024 ranks a read cost ~10 ms)
+        events = store.events
+        if events != self._events_read and (
+                len(self._marks) < len(self.msg_ids or ()) or any(
+                    m.end == math.inf for m in self._marks.values())):
+            self._events_read = events
+            self._marks = store.cell_marks(self.msg_ids or {}, self.since)
+        return self._marks
+
+    def started(self, store: MetricsStore) -> float | None:
+        """When the first rank began the cell (epoch s), once one has."""
+        bounds = self.bounds(store)
+        return min(start for start, _ in bounds.values()) if bounds else None
+
+    def ended(self, store: MetricsStore) -> set[int]:
+        return {r for r, (_, end) in self.bounds(store).items() if end != math.inf}

@@ -1,0 +1,69 @@
+"""The notebook's end of the record channel: one PULL socket, bound by the kernel, that
+every rank's agent PUSHes its messages to, and one thread that files them into the
+metrics store a round at a time."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import zmq
+
+from .metrics_store import MetricsStore
+from .wire import MAX_MESSAGE_BYTES
+
+# The ranks send at the same moments (agent.SEND_INTERVAL_S); their batches count as
+# one round until the socket has been quiet this long, and a round ends after at most:
+ROUND_QUIET_S = 0.01
+ROUND_MAX_S = 0.05
+# messages filed together (MetricsStore.add_messages): their blocks are checked at once
+DRAIN_MESSAGES = 512
+
+
+class RecordReceiver:
+    """Binds the PULL socket and files every record into a MetricsStore."""
+
+    def __init__(self, store: MetricsStore, ip: str = "127.0.0.1"):
+        self.store = store
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 100_000)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        port = self._sock.bind_to_random_port(f"tcp://{ip}")
+        self.address = f"tcp://{ip}:{port}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpilab-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            round_ends = time.monotonic() + ROUND_MAX_S
+            self._drain()
+            while time.monotonic() < round_ends and poller.poll(1e3 * ROUND_QUIET_S):
+                self._drain()
+            self.store.notify()
+
+    def _drain(self) -> None:
+        """File what the socket holds now, DRAIN_MESSAGES messages at a time."""
+        recv, again = self._sock.recv, zmq.Again
+        while True:
+            raws = []
+            try:
+                while len(raws) < DRAIN_MESSAGES:
+                    raws.append(recv(zmq.NOBLOCK))
+            except again:
+                pass
+            if raws:
+                self.store.add_messages(raws)
+            if len(raws) < DRAIN_MESSAGES:
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self._sock.close()
