@@ -1,0 +1,279 @@
+"""Pure logic of a running cell (mpilab.cell) and of its report (mpilab.runner): the
+ranks' results stand in as fakes of ipyparallel's AsyncResult, the cluster as what the
+cell asks of it; the metrics store, the output relay and the watchdog are the real ones.
+The real ranks' side of the same behaviour is pinned by test_failures and test_magics."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+from ipyparallel.error import TaskAborted
+from mpilab import cell as cell_module
+from mpilab.cell import CellOutcome, RunningCell, RunOptions
+from mpilab.channel import MetricsStore
+from mpilab.runner import report_text
+
+BOOM = "Traceback (most recent call last):\n  Cell In[3], line 1\nValueError: boom"
+STOPPED = "Traceback (most recent call last):\n  Cell In[3], line 1\nKeyboardInterrupt"
+
+
+class RankError(Exception):
+    """What ipyparallel hands back for a rank whose cell raised."""
+
+    def __init__(self, traceback: str, ename: str = "ValueError"):
+        super().__init__(ename)
+        self.traceback = traceback
+        self.ename = ename
+
+
+class FakeSingle:
+    """One rank's part of the cell."""
+
+    def __init__(self):
+        self.done = False
+        self.value = None
+
+    def end(self, value) -> None:
+        self.done, self.value = True, value
+
+    def ready(self) -> bool:
+        return self.done
+
+    def successful(self) -> bool:
+        return not isinstance(self.value, BaseException)
+
+    def get(self, return_exceptions: bool = False):
+        return [self.value]  # a one-engine view answers with a list
+
+
+class FakeCellResult:
+    """ipyparallel's AsyncResult of a cell on several ranks; `on_wait` plays the ranks."""
+
+    def __init__(self, ranks: list[int]):
+        self.msg_ids = [f"msg-{r}" for r in ranks]
+        self.metadata = [{"stdout": "", "stderr": "", "outputs": []} for _ in ranks]
+        self.singles = [FakeSingle() for _ in ranks]
+        self.on_wait = lambda: None
+
+    def split(self) -> list[FakeSingle]:
+        return self.singles
+
+    def ready(self) -> bool:
+        return all(s.done for s in self.singles)
+
+    def wait(self, timeout: float) -> bool:
+        self.on_wait()
+        if not self.ready():
+            time.sleep(timeout)
+        return self.ready()
+
+    def wait_for_output(self, timeout: float) -> None:
+        pass
+
+
+class FakeCluster:
+    """What a running cell asks of a RankCluster; `on_signal(rank)` plays a rank's
+    answer to SIGINT."""
+
+    def __init__(self, world_size: int = 2):
+        self.world_size = world_size
+        self.store = MetricsStore(world_size=world_size)
+        self.ranks: list[dict] = []  # no local processes for the watchdog to look at
+        self.client = self
+        self.signalled: list[int] = []
+        self.aborted: list[str] = []
+        self.restarts = 0
+        self.on_signal = lambda rank: None
+
+    def engines(self, ranks):
+        return list(ranks)
+
+    def send_signal(self, signal: str, targets, block: bool) -> None:
+        for rank in targets:
+            self.signalled.append(rank)
+            self.on_signal(rank)
+
+    def abort(self, msg_ids, targets, block: bool) -> None:
+        self.aborted.extend(msg_ids)
+
+    def recover(self) -> bool:
+        return True
+
+    def restart(self) -> None:
+        self.restarts += 1
+
+    def mark_dead(self, dead) -> None:
+        pass
+
+    def begin(self, ar: FakeCellResult, t: float) -> None:
+        """Every rank begins the cell at epoch time t (their cell-start events)."""
+        for r, msg_id in enumerate(ar.msg_ids):
+            self.store.add({"k": "event", "r": r, "t": t, "what": "cell-start", "cell": 3,
+                            "msg": msg_id})
+
+
+class Sink:
+    def __init__(self):
+        self.out: list[tuple[str, str]] = []
+
+    def __call__(self, stream: str, text: str) -> None:
+        self.out.append((stream, text))
+
+    @property
+    def text(self) -> str:
+        return "".join(t for _, t in self.out)
+
+
+def running(cluster: FakeCluster, ar: FakeCellResult, sink: Sink, **options) -> RunningCell:
+    options.setdefault("dashboard", False)
+    return RunningCell(cluster, ar, [0, 1], RunOptions(**options), sink)
+
+
+@pytest.fixture
+def shown(monkeypatch) -> list[dict]:
+    """The display bundles a cell re-displays in the notebook."""
+    bundles: list[dict] = []
+    monkeypatch.setattr(cell_module, "display_bundle",
+                        lambda data, metadata=None: bundles.append(data))
+    return bundles
+
+
+def test_pump_relays_only_what_is_new_and_text_before_a_display(shown):
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+    for md in ar.metadata:
+        md["stdout"] = "step 1\n"
+    cell.pump()
+    assert sink.text == "[ranks 0-1] step 1\n"
+    for md in ar.metadata:
+        md["stdout"] += "\x1b[31mstep 2\x1b[0m\n"
+    ar.metadata[1]["outputs"].append({"data": {"text/plain": "<Figure>"}})
+    cell.pump()
+    # the display goes out after the text printed before it, named by its rank
+    assert sink.text == "[ranks 0-1] step 1\n[ranks 0-1] step 2\n"
+    assert shown == [{"text/plain": "[rank 1] <Figure>"}]
+    cell.pump(final=True)
+    assert sink.text.count("step 2") == 1 and len(shown) == 1
+
+
+def test_finish_sorts_results_failures_and_unfinished_ranks(shown):
+    cluster, ar, sink = FakeCluster(3), FakeCellResult([0, 1, 2]), Sink()
+    cell = RunningCell(cluster, ar, [0, 1, 2], RunOptions(dashboard=False), sink)
+    ar.singles[0].end(SimpleNamespace(
+        metadata={"execute_result": {"data": {"text/plain": "42"}}}))
+    ar.singles[1].end(RankError("\x1b[31m" + BOOM + "\x1b[0m\n"))
+    outcome = cell.finish()  # rank 2 never ended
+    assert outcome.results == {0: {"text/plain": "42"}}
+    assert outcome.errors == {1: BOOM}
+    assert outcome.unfinished == [2]
+    assert not outcome.ok
+
+
+def test_a_rank_that_dropped_the_cell_did_not_run_it(shown):
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+    ar.singles[0].end(SimpleNamespace(metadata={}))
+    ar.singles[1].end(TaskAborted())
+    outcome = cell.finish()
+    assert outcome.not_run == [1] and not outcome.errors and not outcome.unfinished
+    assert report_text(outcome, None) == (
+        "[rank 1] did not run the cell: the cell before it there failed, and the ranks "
+        "drop the cells queued behind a failed one; run it again")
+
+
+def test_timeout_counts_from_when_the_ranks_began_and_interrupts_them(shown):
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink, timeout=5.0)
+    cluster.on_signal = lambda r: ar.singles[r].end(RankError(STOPPED, "KeyboardInterrupt"))
+    ticks = []
+    ar.on_wait = lambda: ticks.append(time.monotonic())
+    cluster.begin(ar, time.time() - 4.9)  # they began 4.9 s ago: 0.1 s left
+    cell.watch()
+    assert 1 <= len(ticks) <= 10 and ticks[-1] - ticks[0] < 1.0
+    outcome = cell.finish()
+    assert outcome.timed_out and cluster.signalled == [0, 1] and cluster.restarts == 0
+    assert report_text(outcome, 5.0) == (
+        "mpilab: the cell did not finish within 5 s; its ranks were interrupted\n"
+        "[rank 0] interrupted\n[rank 1] interrupted")
+
+
+def test_timeout_waits_while_the_cell_is_queued_behind_another(shown):
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink, timeout=0.01)
+    waits = []
+
+    def tick():
+        waits.append(1)
+        if len(waits) == 5:  # the ranks never begin it: the test ends it
+            for single in ar.singles:
+                single.end(SimpleNamespace(metadata={}))
+
+    ar.on_wait = tick
+    cell.watch()
+    assert not cell.outcome.timed_out and not cluster.signalled
+
+
+def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(shown):
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    ar.on_wait = ctrl_c
+    cell.watch()
+    for single in ar.singles:  # the engines answer the abort
+        single.end(TaskAborted())
+    outcome = cell.finish()
+    assert outcome.interrupted and not cluster.signalled
+    assert cluster.aborted == ["msg-0", "msg-1"] and outcome.dropped == [0, 1]
+    assert not outcome.not_run  # taken off the queue by mpilab, not dropped by the ranks
+    assert report_text(outcome, None) == (
+        "mpilab: ranks 0-1 had not begun the cell: an earlier --noblock cell still runs "
+        "there and goes on; this one was taken off their queue")
+
+
+def test_a_rank_deaf_to_the_interrupt_restarts_the_cluster_and_is_unfinished(
+        shown, monkeypatch):
+    monkeypatch.setattr(cell_module, "INTERRUPT_GRACE_S", 0.2)
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+    cluster.begin(ar, time.time())
+    # rank 1 answers, rank 0 sits in a call that cannot be interrupted
+    cluster.on_signal = lambda r: r == 1 and ar.singles[1].end(
+        RankError(STOPPED, "KeyboardInterrupt"))
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    ar.on_wait = ctrl_c
+    cell.watch()
+    outcome = cell.finish()
+    assert outcome.interrupted and outcome.restarted and cluster.restarts == 1
+    assert outcome.unfinished == [0] and list(outcome.errors) == [1]
+    assert report_text(outcome, None).splitlines() == [
+        "[rank 1] interrupted",
+        "mpilab: rank 0 had sent no heartbeat: it did not answer the interrupt (a blocking "
+        "MPI or torch.distributed call, which mpilab cannot interrupt)",
+        "mpilab: restarted the ranks: their state was lost; no checkpoint was saved",
+    ]
+
+
+def test_report_groups_identical_failures_and_leaves_released_ranks_to_the_notes():
+    outcome = CellOutcome(
+        ranks=[0, 1, 2, 3],
+        errors={0: BOOM, 1: BOOM.replace("In[3]", "In[5]"), 2: STOPPED, 3: BOOM},
+        released=[3], notes=["rank 3 was waiting in allreduce #4 for 0.2 s when rank 0, "
+                             "1 failed"])
+    assert report_text(outcome, None).splitlines() == [
+        "[ranks 0-1] failed:", *BOOM.splitlines(), "[rank 2] interrupted",
+        "mpilab: rank 3 was waiting in allreduce #4 for 0.2 s when rank 0, 1 failed"]
+
+
+def test_outcome_is_ok_with_results_only():
+    assert CellOutcome(ranks=[0], results={0: {"text/plain": "1"}}).ok
+    assert not CellOutcome(ranks=[0], unfinished=[0]).ok
+    assert not CellOutcome(ranks=[0], notes=["x"]).ok
+    assert not CellOutcome(ranks=[0], not_run=[0]).ok
