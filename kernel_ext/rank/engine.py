@@ -18,10 +18,29 @@ _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tor
 
 def preload() -> None:
     """Import torch and warm up a first training step in the background while the
-    engine registers (start-up overlap; mpilab.rank.warmup)."""
+    engine registers (start-up overlap; mpilab.rank.warmup), where this host has a core
+    for each of its ranks. Where its ranks outnumber its cores, the warm-up's CPU time
+    (about 1.3 s a rank) would be spent in series with every rank's start, so the
+    bootstrap starts it once the rank is ready (`bootstrap`)."""
+    global _warming_since_start
     from . import warmup
 
-    warmup.start_background()
+    if not host_oversubscribed():
+        _warming_since_start = True
+        warmup.start_background()
+
+
+_warming_since_start = False
+
+
+def host_oversubscribed(environ=os.environ) -> bool:
+    """Whether this host runs more ranks than it has cores for this process (MPICH's
+    hydra tells each rank how many ranks its host runs: MPI_LOCALNRANKS)."""
+    try:
+        local = int(environ.get("MPI_LOCALNRANKS", "1"))
+    except ValueError:
+        return False
+    return local > len(os.sched_getaffinity(0))
 
 
 def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float) -> dict:
@@ -35,7 +54,12 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     from .torchrun import install_shell
 
     ctx = init(gpus=gpus, backend=backend, agent_address=agent_address, timeout=timeout)
-    warmup.finish(ctx.device)  # the warm-up preload() began: done before the first cell
+    # the warm-up preload() began is done before the first cell; on an oversubscribed
+    # host it runs from here on, in the background (a first training cell sent at once
+    # waits for its imports)
+    warmup.finish(ctx.device)
+    if not _warming_since_start:
+        warmup.start_background()
     import torch.distributed as dist
 
     shell = get_ipython()
