@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mpilab.rank import collectives, data_parallel, waiting
+from mpilab.rank import bootstrap, collectives, data_parallel, torch_group, waiting
 from mpilab.rank.agent import Agent
 from mpirun import run_ranks
 
@@ -41,28 +41,28 @@ GLOO = {"cpu": "gloo", "cuda": "gloo"}
 
 
 def test_auto_sends_gpu_tensors_over_nccl_and_cpu_tensors_over_mpi(monkeypatch):
-    assert collectives.auto_backend("cuda", NCCL) == "torch"
-    assert collectives.auto_backend("cuda", {"cpu": "gloo", "cuda": "nccl"}) == "torch"
-    assert collectives.auto_backend("cpu", {"cpu": "gloo", "cuda": "nccl"}) == "mpi"
+    assert torch_group.auto_transport("cuda", NCCL) == "torch"
+    assert torch_group.auto_transport("cuda", {"cpu": "gloo", "cuda": "nccl"}) == "torch"
+    assert torch_group.auto_transport("cpu", {"cpu": "gloo", "cuda": "nccl"}) == "mpi"
     # ranks sharing GPUs over gloo: GPU tensors staged through MPI, mpilab's fast path
-    assert collectives.auto_backend("cuda", GLOO) == "mpi"
-    assert collectives.auto_backend("cuda", {}) == "mpi"  # no group at all
+    assert torch_group.auto_transport("cuda", GLOO) == "mpi"
+    assert torch_group.auto_transport("cuda", {}) == "mpi"  # no group at all
 
-    monkeypatch.setattr(collectives, "group_backends", lambda: NCCL)
-    assert collectives.resolve_backend("auto", _on("cuda:1")) == "torch"
-    assert collectives.resolve_backend("auto", _on("cpu")) == "mpi"
-    assert collectives.resolve_backend("mpi", _on("cuda:0")) == "mpi"  # staged, as asked
-    assert collectives.resolve_backend("auto", None) == "mpi"  # a barrier
-    monkeypatch.setattr(collectives, "group_backends", lambda: GLOO)
-    assert collectives.resolve_backend("auto", _on("cuda:0")) == "mpi"
+    monkeypatch.setattr(torch_group, "group_backends", lambda: NCCL)
+    assert torch_group.resolve_transport("auto", _on("cuda:1")) == "torch"
+    assert torch_group.resolve_transport("auto", _on("cpu")) == "mpi"
+    assert torch_group.resolve_transport("mpi", _on("cuda:0")) == "mpi"  # staged, as asked
+    assert torch_group.resolve_transport("auto", None) == "mpi"  # a barrier
+    monkeypatch.setattr(torch_group, "group_backends", lambda: GLOO)
+    assert torch_group.resolve_transport("auto", _on("cuda:0")) == "mpi"
     with pytest.raises(ValueError, match="'nccl' is not one of auto, mpi, torch"):
-        collectives.resolve_backend("nccl", _on("cpu"))
+        torch_group.resolve_transport("nccl", _on("cpu"))
 
 
 def test_group_backends_read_as_torch_maps_them():
-    assert collectives.device_backends("nccl") == NCCL
-    assert collectives.device_backends("gloo") == GLOO
-    assert collectives.device_backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo",
+    assert torch_group.device_backends("nccl") == NCCL
+    assert torch_group.device_backends("gloo") == GLOO
+    assert torch_group.device_backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo",
                                                                  "cuda": "nccl"}
 
 
@@ -105,40 +105,40 @@ def test_auto_is_the_default_everywhere():
 
 # ------------------------------------------------------------- recovery's decision
 def test_nccl_groups_are_always_made_again_gloo_ones_when_abandoned():
-    assert collectives.needs_new_group(NCCL, abandoned_anywhere=False)
-    assert collectives.needs_new_group({"cpu": "gloo", "cuda": "nccl"}, False)
-    assert not collectives.needs_new_group(GLOO, abandoned_anywhere=False)
-    assert collectives.needs_new_group(GLOO, abandoned_anywhere=True)
-    assert not collectives.needs_new_group({}, abandoned_anywhere=True)  # no group
+    assert torch_group.needs_new_group(NCCL, abandoned_anywhere=False)
+    assert torch_group.needs_new_group({"cpu": "gloo", "cuda": "nccl"}, False)
+    assert not torch_group.needs_new_group(GLOO, abandoned_anywhere=False)
+    assert torch_group.needs_new_group(GLOO, abandoned_anywhere=True)
+    assert not torch_group.needs_new_group({}, abandoned_anywhere=True)  # no group
 
 
 # ------------------------------------------------------------------------ placement
 def test_one_rank_per_gpu_by_node_local_rank():
-    assert [collectives.gpu_for_rank(r, [0, 1, 2, 3]) for r in range(4)] == [0, 1, 2, 3]
-    assert collectives.gpu_for_rank(1, [2, 5]) == 5  # --gpus 2,5
-    assert collectives.gpu_for_rank(3, [0]) == 0  # Slurm bound this task to one GPU
-    assert collectives.gpu_for_rank(0, []) is None  # CPU
+    assert [bootstrap.gpu_for_rank(r, [0, 1, 2, 3]) for r in range(4)] == [0, 1, 2, 3]
+    assert bootstrap.gpu_for_rank(1, [2, 5]) == 5  # --gpus 2,5
+    assert bootstrap.gpu_for_rank(3, [0]) == 0  # Slurm bound this task to one GPU
+    assert bootstrap.gpu_for_rank(0, []) is None  # CPU
 
 
 def test_more_ranks_than_gpus_is_one_line_under_nccl():
     uuids = [f"GPU-{g}" for g in (0, 1, 2, 3, 0, 1, 2, 3)]  # 8 ranks wrapped onto 4
-    line = collectives.placement_error(uuids, "nccl", host="node7")
+    line = bootstrap.placement_error(uuids, "nccl", host="node7")
     assert line is not None and "\n" not in line
     assert "8 ranks on node7 but 4 GPUs" in line
     assert "ranks 0 and 4 would share one" in line
     assert "NCCL cannot put two ranks on one GPU" in line
     assert "at most 4 ranks per node" in line and "--backend gloo" in line
-    mixed = collectives.placement_error(["GPU-0", "GPU-0"], "cpu:gloo,cuda:nccl")
+    mixed = bootstrap.placement_error(["GPU-0", "GPU-0"], "cpu:gloo,cuda:nccl")
     assert mixed is not None and "2 ranks on this node but 1 GPU for them" in mixed
 
 
 def test_placement_that_works_says_nothing():
     shared = [f"GPU-{g}" for g in (0, 1, 0, 1)]
-    assert collectives.placement_error(shared, "gloo") is None  # sharing asked for
+    assert bootstrap.placement_error(shared, "gloo") is None  # sharing asked for
     # Slurm's per-task binding: every rank's GPU is its index 0, yet all differ
-    assert collectives.placement_error(["GPU-a", "GPU-b", "GPU-c"], "nccl") is None
-    assert collectives.placement_error([None, None], "gloo") is None  # CPU ranks
-    assert collectives.placement_error(["GPU-0"], "nccl") is None
+    assert bootstrap.placement_error(["GPU-a", "GPU-b", "GPU-c"], "nccl") is None
+    assert bootstrap.placement_error([None, None], "gloo") is None  # CPU ranks
+    assert bootstrap.placement_error(["GPU-0"], "nccl") is None
 
 
 # ------------------------------------------------- waits on another thread, in-process
@@ -257,7 +257,7 @@ import os, signal, threading, time
 import torch
 from torch import nn
 import torch.distributed as dist
-from mpilab.rank import agent, collectives, waiting
+from mpilab.rank import agent, collectives, torch_group, waiting
 
 real = torch.autograd.graph._engine_run_backward
 
@@ -348,7 +348,7 @@ report_all({
     "outcome": outcome, "release_s": release_s, "handled": handled,
     "watch_interrupts": waiting.interrupts_seen(), "backend": dp.backend,
     "same_params": everyone[0] == everyone[1],
-    "generation": collectives.torch_group_generation(),
+    "generation": torch_group.torch_group_generation(),
     "new_group": dist.group.WORLD is not old_group,
 })
 END_WITHOUT_FINALIZING
@@ -390,14 +390,14 @@ _RENEW = """
 import torch, time
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
-from mpilab.rank import collectives, torchrun, waiting
+from mpilab.rank import collectives, torch_group, torchrun, waiting
 
 def total(value):
     t = torch.tensor([float(value)])
     dist.all_reduce(t)
     return t.item()
 
-out = {"timeout_before": collectives.group_timeout().total_seconds()}
+out = {"timeout_before": torch_group.group_timeout().total_seconds()}
 # gloo, nothing abandoned: recovery keeps the group
 first = dist.group.WORLD
 waiting.abort("test"); waiting.recover()
@@ -415,9 +415,9 @@ if ctx.rank == 0:
 ctx.comm.Barrier()
 waiting.recover()
 out["renewed"] = dist.group.WORLD is not first
-out["generation"] = collectives.torch_group_generation()
+out["generation"] = torch_group.torch_group_generation()
 out["sum_after"] = total(ctx.rank + 1)
-out["timeout_after"] = collectives.group_timeout().total_seconds()
+out["timeout_after"] = torch_group.group_timeout().total_seconds()
 # torchrun.py's shared group follows: the user's destroy_process_group keeps it
 shared = torchrun.shared_groups()
 out["adopted"] = shared is not None and shared.mpilab_pg is dist.group.WORLD
@@ -426,10 +426,10 @@ out["kept_by_destroy"] = dist.is_initialized() and total(1) == ctx.world_size
 
 # an NCCL group is made again after every abort, abandoned or not
 second = dist.group.WORLD
-collectives.group_backends = lambda: {"cuda": "nccl"}
+torch_group.group_backends = lambda: {"cuda": "nccl"}
 waiting.abort("test"); waiting.recover()
 out["nccl_rule_renewed"] = dist.group.WORLD is not second
-out["generation_nccl"] = collectives.torch_group_generation()
+out["generation_nccl"] = torch_group.torch_group_generation()
 
 # a group torch cannot abort: recovery fails, and the notebook restarts the ranks
 def cannot(group=None):
@@ -438,7 +438,7 @@ c10d._abort_process_group = cannot
 waiting.abort("test")
 try:
     waiting.recover()
-except collectives.RecoveryError as e:
+except torch_group.RecoveryError as e:
     out["cannot"] = str(e)
 report_all(out)
 END_WITHOUT_FINALIZING

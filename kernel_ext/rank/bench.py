@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import bootstrap
+from .context import context
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
@@ -120,7 +120,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")
-    ctx = bootstrap.context()
+    ctx = context()
     comm, n = ctx.comm, ctx.world_size
     rows: list[dict] = []
     running = []

@@ -1,73 +1,28 @@
 """Rank bootstrap: MPI, node-local rank, device, torch.distributed, threads, agent.
 
 The same function serves the notebook's engines and batch jobs under mpiexec, so a
-training cell written in the notebook runs unchanged as a script.
+training cell written in the notebook runs unchanged as a script. What the rank learns
+goes to ``context`` (``mpilab.context()``); the services that start with a rank (mpilab's
+communicators, torchrun's environment) are start-up hooks that ``init`` runs last, and
+nothing they import imports the bootstrap.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
 
 from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S
 from . import agent as agent_mod
+from .context import BootstrapError, RankContext, context, is_initialized, set_context
 from .endpoint import Endpoint, shared_endpoint
 
+__all__ = ["BootstrapError", "RankContext", "context", "init", "is_initialized",
+           "gpu_spec", "parse_gpus", "choose_backend", "gpu_for_rank", "placement_error"]
 
-class BootstrapError(RuntimeError):
-    """The rank could not be set up; the message says what to do."""
-
-
-@dataclass
-class RankContext:
-    """What a rank knows about itself once bootstrapped."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    local_size: int
-    host: str
-    device: Any  # torch.device
-    backend: str
-    comm: Any  # mpi4py COMM_WORLD, for the user
-    node_comm: Any  # ranks sharing this node (COMM_TYPE_SHARED)
-    torch_threads: int
-    endpoint: Endpoint | None = None  # where this rank listens for its peers
-    store: Any = None  # torch.distributed's TCPStore of the default group (None: not ours)
-    store_address: tuple[str, int] | None = None  # (address, port) of that store
-
-    def summary(self) -> dict:
-        """Plain data for the notebook's start line and status table."""
-        return {
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "local_rank": self.local_rank,
-            "host": self.host,
-            "pid": os.getpid(),
-            "device": str(self.device),
-            "backend": self.backend,
-            "torch_threads": self.torch_threads,
-        }
-
-
-_context: RankContext | None = None
-
-
-def context() -> RankContext:
-    """The bootstrapped context; a clear error when there is none."""
-    if _context is None:
-        raise BootstrapError(
-            "mpilab is not initialised on this process: start ranks with `%mpilab start` "
-            "in the notebook, or call mpilab.init() in a script run under mpiexec"
-        )
-    return _context
-
-
-def is_initialized() -> bool:
-    return _context is not None
+StartHook = Callable[[RankContext], None]
 
 
 def gpu_spec(gpus: str | None) -> list[int] | None:
@@ -116,6 +71,7 @@ def init(
     agent_address: str | None = None,
     timeout: float = 120.0,
     collective_timeout: float | None = None,
+    start_hooks: Sequence[StartHook] | None = None,
 ) -> RankContext:
     """Bootstrap this rank (idempotent) and return its context.
 
@@ -124,11 +80,11 @@ def init(
     rendezvous); `collective_timeout` is how long torch.distributed's own collectives may
     wait before torch gives up on them (default 30 minutes, or $MPILAB_COLLECTIVE_TIMEOUT):
     mpilab's watchdog releases hung ranks long before, and a slow first step of a large
-    model must not be taken for a hang.
+    model must not be taken for a hang. `start_hooks` run last, in order, with the
+    context on every rank (default: ``default_start_hooks()``).
     """
-    global _context
-    if _context is not None:
-        return _context
+    if is_initialized():
+        return context()
 
     from mpi4py import MPI
 
@@ -169,7 +125,7 @@ def init(
             dist, comm, chosen_backend, rank, world_size, endpoint, timeout,
             collective_timeout, device)
 
-    _context = RankContext(
+    ctx = RankContext(
         rank=rank,
         world_size=world_size,
         local_rank=local_rank,
@@ -188,24 +144,25 @@ def init(
     if device.type == "cuda":
         agent.device_memory = lambda: torch.cuda.memory_allocated(device)
     agent_mod.install(agent)
-    _prepare_communicators()
-    from .torchrun import install  # torchrun's environment: code written for it runs as is
-    install(_context)
-    return _context
-
-
-def _prepare_communicators() -> None:
-    """Make mpilab's own communicator and its shared-memory plan now, on every rank.
-
-    Made lazily, a rank whose peer failed before its first collective would block in
-    their creation (a blocking, uninterruptible MPI call) instead of in a wait mpilab
-    can release.
-    """
-    from .collectives import private_comm
+    set_context(ctx)
+    for hook in default_start_hooks() if start_hooks is None else start_hooks:
+        hook(ctx)
     from .waiting import on_recover
 
-    private_comm()  # makes the communicators and their allreduce plans
     on_recover(_align_collective_numbers)
+    return ctx
+
+
+def default_start_hooks() -> list[StartHook]:
+    """What starts with every rank: mpilab's communicators, made now on every rank
+    together (``collectives.prepare_communicators``: made later, a rank whose peer had
+    failed would block in their creation), then torchrun's environment, so code
+    written for torchrun runs as it is (``torchrun.install``). Imported here, when a
+    rank starts: importing the bootstrap stays light, and neither module imports it."""
+    from .collectives import prepare_communicators
+    from .torchrun import install
+
+    return [prepare_communicators, install]
 
 
 def _align_collective_numbers() -> None:
@@ -219,8 +176,6 @@ def _align_collective_numbers() -> None:
 
 
 def _bind_device(torch, gpus, local_rank):
-    from .collectives import gpu_for_rank
-
     try:
         available = torch.cuda.device_count() if torch.cuda.is_available() else 0
         chosen = parse_gpus(gpus, available)
@@ -235,13 +190,52 @@ def _bind_device(torch, gpus, local_rank):
 
 def _check_placement(torch, comm, node_comm, device, backend: str, host: str) -> None:
     """Every rank learns at once when the node's ranks cannot share its GPUs this way."""
-    from .collectives import placement_error
-
     gpu = str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else None
     line = placement_error(node_comm.allgather(gpu), backend, host)
     first = next((e for e in comm.allgather(line) if e), None)
     if first:
         raise BootstrapError(first)
+
+
+# ------------------------------------------------------------------------ GPU placement
+def gpu_for_rank(local_rank: int, gpus: Sequence[int]) -> int | None:
+    """The GPU (an index among the visible ones, CUDA_VISIBLE_DEVICES applied) of the
+    node-local rank `local_rank`: one rank per GPU, in order. Where Slurm binds each task
+    to its own GPU, every rank sees one and takes it. Ranks past the GPUs wrap around
+    and share; placement_error says when that cannot work. None: no GPU (CPU)."""
+    if not gpus:
+        return None
+    return gpus[local_rank % len(gpus)]
+
+
+def placement_error(gpu_ids: Sequence[str | None], backend: str,
+                    host: str = "this node") -> str | None:
+    """One line when ranks of one node would share a GPU under NCCL (it refuses two
+    ranks on one GPU); None when the placement works.
+
+    gpu_ids: for each node-local rank, the identity (UUID) of the GPU it took, or None
+    on CPU. Identities, not indices: with Slurm's per-task binding every rank's GPU is
+    its index 0. backend: the torch.distributed backend of the ranks' group; sharing
+    GPUs works over gloo (mpilab's collectives then stage GPU tensors through MPI).
+    """
+    from .torch_group import device_backends
+
+    cuda_backend = device_backends(backend).get("cuda") if backend else None
+    if cuda_backend in (None, "gloo"):
+        return None
+    users: dict[str, list[int]] = {}
+    for local_rank, gpu in enumerate(gpu_ids):
+        if gpu is not None:
+            users.setdefault(gpu, []).append(local_rank)
+    shared = next((ranks for ranks in users.values() if len(ranks) > 1), None)
+    if shared is None:
+        return None
+    ranks, gpus = sum(len(r) for r in users.values()), len(users)
+    return (f"{ranks} ranks on {host} but {gpus} GPU{'s' if gpus != 1 else ''} for them "
+            f"(node-local ranks {shared[0]} and {shared[1]} would share one), and "
+            f"{cuda_backend.upper()} cannot put two ranks on one GPU: start at most {gpus} "
+            f"rank{'s' if gpus != 1 else ''} per node, or share the GPUs over gloo and "
+            "MPI with --backend gloo")
 
 
 def _cores() -> int:

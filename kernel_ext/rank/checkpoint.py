@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from . import agent as agent_mod
-from . import bootstrap, collectives
+from . import collectives
+from .context import context
 
 FORMAT = 1
 
@@ -63,7 +64,7 @@ def _write_atomically(path: Path, payload: dict) -> None:
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> Path:
     """Save model, optimizer and `extra` to `path` (rank 0 writes; every rank returns)."""
-    ctx = bootstrap.context()
+    ctx = context()
     target = Path(path).expanduser()
     error = None
     if ctx.rank == 0:
@@ -88,7 +89,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Restore model (and optimizer) from `path` on every rank; returns the saved `extra`."""
-    ctx = bootstrap.context()
+    ctx = context()
     source = Path(path).expanduser()
     data, error = b"", None
     if ctx.rank == 0:

@@ -52,7 +52,7 @@ import torch
 from torch import nn
 
 from . import agent as agent_mod
-from . import bootstrap, collectives, waiting
+from . import collectives, reduction, torch_group, waiting
 from .compression import (
     CompressedGradSync,
     Method,
@@ -62,7 +62,7 @@ from .compression import (
     replace_grad_hooks,
 )
 from .compression import resolve as resolve_compression
-from .fast_allreduce import allreduce_inplace
+from .context import context
 from .waiting import wait_interruptibly
 
 BACKENDS = ("auto", "mpi", "torch")
@@ -89,14 +89,14 @@ class DataParallelConfig:
 def choose_backend(requested: str, device_types: set[str],
                    backends: dict[str, str]) -> str:
     """DataParallel's path, "mpi" or "torch", for a model on `device_types` whose ranks'
-    group runs `backends` (collectives.group_backends). auto: DDP where the model sits
+    group runs `backends` (torch_group.group_backends). auto: DDP where the model sits
     on one kind of GPU that the group serves with its own backend (NCCL); mpilab's MPI
     path otherwise (see the module's docstring for why)."""
     if requested != "auto":
         return requested
     if len(device_types) == 1:
         (device_type,) = device_types
-        if collectives.auto_backend(device_type, backends) == "torch":
+        if torch_group.auto_transport(device_type, backends) == "torch":
             return "torch"
     return "mpi"
 
@@ -271,15 +271,7 @@ class _CommThread:
         bucket.done.set()
 
     def _reduce(self, bucket: _Bucket) -> None:
-        if bucket.host.dtype == torch.bfloat16:
-            # MPI has no bfloat16 type: gather the 16-bit words (same bytes on the wire
-            # as a 2-rank allreduce) and sum in float32, in rank order on every rank.
-            recv = torch.empty((bucket.world_size, bucket.host.numel()), dtype=torch.bfloat16)
-            wait_interruptibly(self.comm.Iallgather(bucket.host.view(torch.int16).numpy(),
-                                                    recv.view(torch.int16).numpy()))
-            bucket.host.copy_(recv.float().sum(0))
-        else:
-            allreduce_inplace(bucket.host.numpy(), "sum", self.comm)
+        reduction.allreduce_host(bucket.host, "sum", self.comm)  # already divided
 
 
 _comm_thread: _CommThread | None = None
@@ -399,8 +391,7 @@ class _MPIGradSync:
             self._launch_ready(at_end=True)  # the rest: nothing left to overlap them with
             self.next_bucket = 0
             for bucket in self.buckets:
-                while not bucket.done.wait(0.01):  # wakes at once when done; Ctrl-C lands
-                    waiting.check_abort()
+                waiting.wait_event(bucket.done)
         exposed = time.perf_counter() - wait_start
         errors = [b.error for b in self.buckets if b.error is not None]
         for bucket in self.buckets:
@@ -536,9 +527,9 @@ class _TimedHook:
                 waiting.poll(lambda: all(f.done() for f in futures))
                 for future in futures:
                     future.wait()  # raises the bucket's error; on a GPU, streams only
-                collectives.wait_device(self.device)
+                waiting.wait_device(self.device)
             except BaseException:
-                collectives.abandoned_torch_work()
+                torch_group.abandoned_torch_work()
                 raise
         exposed = time.perf_counter() - start
         torch.autograd.Variable._execution_engine.queue_callback(
@@ -667,7 +658,7 @@ class DataParallel(ModelWrapper):
     def __init__(self, model: nn.Module, backend: str = "auto", bucket_mb: float = 25.0,
                  compression: str | Method | None = None):
         super().__init__()
-        ctx = bootstrap.context()
+        ctx = context()
         self.config = DataParallelConfig(backend, bucket_mb, compression)
         if isinstance(model, ModelWrapper):
             raise ValueError(f"the model is already wrapped by {type(model).__name__}: "
@@ -682,14 +673,14 @@ class DataParallel(ModelWrapper):
         model.__dict__.pop("_mpilab_strategy", None)
         self.backend = choose_backend(self.config.backend,
                                       {p.device.type for p in model.parameters()},
-                                      collectives.group_backends())
+                                      torch_group.group_backends())
         waiting.watch_interrupts()  # the stop button reaches a wait on autograd's thread
         self._device = _model_device(model, ctx.device)
         self._ddp: nn.Module | None = None
         self._sync = None
         if self.backend == "torch":
             self._ddp = _wrap_ddp(model, self.config, self._device, self._clock)
-            self._ddp_generation = collectives.torch_group_generation()
+            self._ddp_generation = torch_group.torch_group_generation()
         else:
             with torch.no_grad():
                 for tensor in (*model.parameters(), *model.buffers()):
@@ -704,11 +695,11 @@ class DataParallel(ModelWrapper):
         """The DDP wrapper, made again if recovery has made a new torch.distributed
         group since (DDP keeps the group it was made with, now aborted). Every rank
         recovered together, so every rank makes it again at the same forward."""
-        if self._ddp_generation != collectives.torch_group_generation():
+        if self._ddp_generation != torch_group.torch_group_generation():
             check_same_parameters(self.module)  # interruptible: a peer that failed since
             self._ddp = None  # the old reducer's gradient hooks go with it
             self._ddp = _wrap_ddp(self.module, self.config, self._device, self._clock)
-            self._ddp_generation = collectives.torch_group_generation()
+            self._ddp_generation = torch_group.torch_group_generation()
         return self._ddp
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

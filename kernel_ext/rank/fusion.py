@@ -16,16 +16,11 @@ from collections.abc import Sequence
 
 import torch
 
-from . import collectives
-from .fast_allreduce import allreduce_inplace
+from . import reduction, torch_group, waiting
+from .context import context
 
 # Horovod's default; MPILAB_FUSION_THRESHOLD (bytes) or the threshold argument change it.
 FUSION_THRESHOLD_BYTES = int(os.environ.get("MPILAB_FUSION_THRESHOLD", 64 << 20))
-
-# NumPy (and so the shared-memory path) has no bfloat16; half precision is widened too,
-# as mpilab.allreduce of a single tensor does, so a list and a tensor agree bit for bit.
-_MPI_WIRE = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
-_OPS = ("sum", "mean", "max", "min")
 
 _buffers = threading.local()  # per thread: one fused buffer per (device, dtype), reused
 
@@ -43,22 +38,18 @@ def grouped_allreduce(
     backend: "mpi" (allreduce_inplace on host buffers: the shared-memory path on one
     node; GPU tensors are packed into pinned memory), "torch" (torch.distributed.all_reduce
     on the fused buffer: NCCL on GPUs, gloo on CPUs), or "auto" (torch for GPU tensors
-    where the ranks' group runs NCCL on them, mpi otherwise: collectives.auto_backend).
+    where the ranks' group runs NCCL on them, mpi otherwise: torch_group.auto_transport).
     comm: the MPI communicator of the mpi backend (default: the bootstrap's COMM_WORLD).
     """
-    if op not in _OPS:
-        raise ValueError(f"allreduce op {op!r} is not one of {', '.join(_OPS)}")
-    if backend not in ("auto", "mpi", "torch"):
-        raise ValueError(f"backend {backend!r} is not auto, mpi or torch")
+    reduction.check_reduce_op(op)
+    torch_group.check_transport(backend)
     tensors = list(tensors)
     limit = FUSION_THRESHOLD_BYTES if threshold is None else int(threshold)
     if limit <= 0:
         raise ValueError(f"fusion threshold must be positive bytes, not {limit}")
-    backends = collectives.group_backends() if backend == "auto" else {}
+    backends = torch_group.group_backends() if backend == "auto" else {}
     plans = [_plan(t, backend, backends) for t in tensors]
     if any(p[0] == "mpi" for p in plans) and comm is None:
-        from .bootstrap import context
-
         comm = context().comm
     with torch.no_grad():  # parameters (requires_grad) are reduced in place too
         for kind, device, wire, members in _buckets(tensors, plans, limit):
@@ -68,21 +59,21 @@ def grouped_allreduce(
 
 def _plan(t: torch.Tensor, backend: str, backends: dict[str, str] | None = None,
           ) -> tuple[str, torch.device, torch.dtype]:
-    """(backend, buffer device, wire dtype) of one tensor; `backends`: what the ranks'
-    group runs on each device type (collectives.group_backends), for "auto"."""
+    """(transport, buffer device, wire dtype) of one tensor; `backends`: what the ranks'
+    group runs on each device type (torch_group.group_backends), for "auto"."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"grouped_allreduce takes torch tensors, not {type(t).__name__}")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"allreduce of {t.dtype} tensors is not supported")
-    kind = backend if backend != "auto" else collectives.auto_backend(t.device.type,
-                                                                      backends or {})
+    kind = backend if backend != "auto" else torch_group.auto_transport(t.device.type,
+                                                                        backends or {})
     if kind == "mpi":
-        return kind, torch.device("cpu"), _MPI_WIRE.get(t.dtype, t.dtype)
+        return kind, torch.device("cpu"), reduction.host_dtype(t.dtype)
     return kind, t.device, t.dtype
 
 
 def _buckets(tensors, plans, limit):
-    """Greedy packing in list order per (backend, device, dtype); yields in a fixed order."""
+    """Greedy packing in list order per (transport, device, dtype); yields in a fixed order."""
     open_: dict[tuple, tuple[list[int], int]] = {}
     for i, (t, key) in enumerate(zip(tensors, plans)):
         nbytes = t.numel() * key[2].itemsize
@@ -127,19 +118,11 @@ def _reduce_bucket(members, kind, device, wire, op, comm) -> None:
             buf[offset : offset + t.numel()].copy_(t.reshape(-1), non_blocking=bool(staged))
             offset += t.numel()
         for source in staged:
-            collectives.wait_device(source)
-    reduce_op = "sum" if op == "mean" else op
+            waiting.wait_device(source)
     if kind == "mpi":
-        allreduce_inplace(buf.detach().numpy(), reduce_op, comm)
-        world = comm.Get_size()
+        reduction.allreduce_host(buf, op, comm)
     else:
-        _torch_allreduce(buf, reduce_op)
-        world = torch.distributed.get_world_size()
-    if op == "mean":
-        if buf.is_floating_point():
-            buf.div_(world)
-        else:
-            buf.div_(world, rounding_mode="floor")
+        reduction.allreduce_torch(buf, op)
     if packed:
         offset = 0
         for t in members:
@@ -147,11 +130,3 @@ def _reduce_bucket(members, kind, device, wire, op, comm) -> None:
                     non_blocking=t.device.type != "cpu")
             offset += t.numel()
 
-
-def _torch_allreduce(buf: torch.Tensor, op: str) -> None:
-    """torch.distributed.all_reduce, polled so that Ctrl-C and an abort land while it runs."""
-    import torch.distributed as dist
-
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-                 "min": dist.ReduceOp.MIN}[op]
-    collectives.wait_work(dist.all_reduce(buf, op=reduce_op, async_op=True))

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from . import bootstrap
+from .context import context
 
 
 class _Wrapper:
@@ -48,7 +48,7 @@ class ScaledLR(_Wrapper):
     def __init__(self, optimizer: Any, scale: float | None = None, warmup_steps: int = 0):
         super().__init__(optimizer)
         if scale is None:
-            scale = bootstrap.context().world_size
+            scale = context().world_size
         if not scale > 0:
             raise ValueError(f"ScaledLR: scale must be positive, got {scale!r}")
         if not isinstance(warmup_steps, int) or warmup_steps < 0:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from . import bootstrap
+from .context import context
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ShardLoader(DataLoader):
 def shard(dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
           drop_last: bool = False, **loader_kwargs: Any) -> ShardLoader:
     """This rank's DataLoader over `dataset` (extra keyword arguments go to DataLoader)."""
-    ctx = bootstrap.context()
+    ctx = context()
     plan = ShardPlan(len(dataset), ctx.world_size, ctx.rank, batch_size, shuffle, seed,
                      drop_last)
     return ShardLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)

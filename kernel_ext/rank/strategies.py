@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import bootstrap, collectives
+from . import collectives, torch_group
 from .compression import TrafficMeter, replace_grad_hooks
+from .context import context
 from .data_parallel import DataParallel, ModelWrapper, _StepClock, check_same_parameters
 
 _live: weakref.WeakSet[_Averaging] = weakref.WeakSet()
@@ -56,10 +57,10 @@ class _Averaging(ModelWrapper):
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise ValueError(f"{name}: period must be a positive whole number of steps, "
                              f"got {period!r}")
-        if backend not in collectives.BACKENDS:
+        if backend not in torch_group.TRANSPORTS:
             raise ValueError(f"{name}: backend {backend!r} is not one of "
-                             f"{', '.join(collectives.BACKENDS)}")
-        ctx = bootstrap.context()
+                             f"{', '.join(torch_group.TRANSPORTS)}")
+        ctx = context()
         self.module = model
         self.period = period
         self.backend = backend
@@ -168,7 +169,7 @@ class EASGD(_Averaging):
 
     def __init__(self, model: nn.Module, alpha: float, period: int = 1,
                  backend: str = "auto"):
-        world = bootstrap.context().world_size
+        world = context().world_size
         if not (isinstance(alpha, (int, float)) and 0 < alpha * world <= 1):
             raise ValueError(f"EASGD: alpha must satisfy 0 < alpha × ranks ≤ 1 (the centre's "
                              f"moving rate β = pα), got alpha={alpha!r} with {world} ranks")

@@ -112,6 +112,25 @@ def wait_interruptibly(request) -> None:
     poll(request.Test)
 
 
+def wait_event(event: threading.Event, check_s: float = 0.01) -> None:
+    """Wait for a threading.Event set by another thread: woken at once when it is set
+    (no polling delay), and checking for an abort every `check_s`."""
+    while not event.wait(check_s):
+        check_abort()
+
+
+def wait_device(device: Any) -> None:
+    """Wait, interruptibly, until the work queued on `device`'s current stream has run
+    (a CUDA event polled; nothing to wait for on CPU)."""
+    if device.type != "cuda":
+        return
+    import torch
+
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    poll(event.query)
+
+
 # ------------------------------------------------------- waits done for the main thread
 _local = threading.local()
 
