@@ -11,6 +11,7 @@ import linecache
 import os
 import re
 import signal
+import threading
 import traceback
 
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
@@ -28,6 +29,16 @@ def preload() -> None:
     if not host_oversubscribed():
         _warming_since_start = True
         warmup.start_background()
+    else:  # the bootstrap needs torch.distributed: imported while the engine registers
+        threading.Thread(target=_import_torch_distributed, name="mpilab-import",
+                         daemon=True).start()
+
+
+def _import_torch_distributed() -> None:
+    try:
+        import torch.distributed  # noqa: F401
+    except BaseException:  # noqa: BLE001 - the bootstrap's own import reports it
+        pass
 
 
 _warming_since_start = False
