@@ -1,7 +1,7 @@
 """The notebook side under a thousand ranks: simulated ranks through the real channel.
 
 A few sender processes (--senders, 4 by default) each speak for many ranks: one PUSH
-socket per rank, the agent's own encoder (`mpilab.rank.agent.encode`, `Agent.heartbeat`),
+socket per rank, the ranks' own encoder (`mpilab.wire.encode`, `Agent.heartbeat`),
 sent at the agent's moments (`next_send_time`, every SEND_INTERVAL_S; a heartbeat every
 HEARTBEAT_INTERVAL_S). Each simulated rank trains at --step-rate steps a second: per step a
 step record, a logged loss and two bucket allreduce spans, as DataParallel and
@@ -11,7 +11,7 @@ heartbeats of a rank in that cell.
 A real IPython kernel is the notebook: the real RecordReceiver, MetricsStore and the
 runner's LiveViews (the training dashboard, displayed, following the store on the
 receiver's thread), and, on the kernel's main thread every runner tick (TICK_S), the real
-OutputRelay and Watchdog.check, as CellRunner._relay calls them. What is not real there:
+OutputRelay and Watchdog.check, as mpilab.cell.RunningCell calls them. What is not real there:
 the output lines (every rank prints one line a second, the same text, made in the kernel
 and fed to the relay: ipyparallel's iopub, which carries them from real ranks, is not in
 this benchmark), and the cluster the watchdog reads (a stand-in with the ranks' hosts and
@@ -52,9 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 SETUP = """
 import json, statistics, sys, time
 import numpy as np
-from mpilab.channel import MetricsStore, RecordReceiver
+from mpilab.metrics_store import MetricsStore
+from mpilab.receiver import RecordReceiver
 from mpilab.live import LiveViews
-from mpilab.runner import TICK_S, OutputRelay
+from mpilab.cell import TICK_S
+from mpilab.relay import OutputRelay
 from mpilab.watchdog import Watchdog
 import mpilab.widgets.dashboard as _d
 
@@ -162,13 +164,8 @@ def sender(address: str, world: int, index: int, senders: int, duration: float,
            step_rate: float) -> None:
     """Speak for ranks index, index + senders, ... until `duration` s have passed."""
     import zmq
-    from mpilab.rank.agent import (
-        HEARTBEAT_INTERVAL_S,
-        SEND_INTERVAL_S,
-        Agent,
-        encode,
-        next_send_time,
-    )
+    from mpilab.rank.agent import HEARTBEAT_INTERVAL_S, SEND_INTERVAL_S, Agent, next_send_time
+    from mpilab.wire import encode
 
     ranks = list(range(index, world, senders))
     ctx = zmq.Context.instance()

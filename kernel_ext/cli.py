@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .wire import BENCH_RESULT_PREFIX
+
 KERNEL_NAME = "mpilab"
 KERNEL_DISPLAY_NAME = "Python (mpilab)"
 DEFAULT_NOTEBOOK_DIR = "~/mpilab-notebooks"
@@ -276,29 +278,21 @@ def cmd_bench(args) -> int:
         parse_backends(args.backends)
     except ValueError as e:
         return _fail(str(e))
-    code = ("import sys; from mpilab.cli import bench_on_ranks; "
-            f"sys.exit(bench_on_ranks({args.op!r}, {args.sizes!r}, {args.backends!r}))")
-    return subprocess.call([mpiexec, "-n", str(args.n), sys.executable, "-c", code])
+    proc = subprocess.Popen([mpiexec, "-n", str(args.n), sys.executable, "-m",
+                             "mpilab.rank.bench_cli", args.op, args.sizes, args.backends],
+                            stdout=subprocess.PIPE, text=True)
+    result = None
+    for line in proc.stdout:  # the ranks' own lines pass through as they come
+        if line.startswith(BENCH_RESULT_PREFIX):
+            result = json.loads(line[len(BENCH_RESULT_PREFIX):])
+        else:
+            print(line, end="", flush=True)
+    code = proc.wait()
+    if result is not None:
+        from .widgets import bench_table
 
-
-def bench_on_ranks(op: str, sizes: str, backends: str) -> int:
-    """Runs on every rank under mpiexec; rank 0 prints the table `%mpilab bench` shows."""
-    import mpilab
-    from mpilab.rank.bench import parse_backends, parse_sizes
-    from mpilab.rank.engine import bench_here
-
-    ctx = mpilab.init()
-    try:
-        rows, ceiling = bench_here(op, parse_sizes(sizes), parse_backends(backends))
-    except ValueError as e:
-        if ctx.rank == 0:
-            print(f"mpilab: {e}", file=sys.stderr)
-        return 2
-    if ctx.rank == 0:
-        from mpilab.widgets import bench_table
-
-        print(bench_table(rows, ceiling))
-    return 0
+        print(bench_table(result["rows"], result["ceiling"]))
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

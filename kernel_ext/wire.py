@@ -4,7 +4,8 @@
   tables the per-step kinds travel as, the limits of a message, and the one encoder
   (rank side) and decoder (notebook side) of its messages.
 - The environment a launcher hands the ranks.
-- The line a rank's supervisor writes to the launcher's output when its engine ends.
+- The lines the ranks write for the notebook side to read: a rank's supervisor's when its
+  engine ends, rank 0's measurements under `mpilab bench`.
 
 Light to import: the ranks' supervisor imports it before anything else and every rank's
 agent imports it; msgpack is imported only where a message is made or read.
@@ -204,6 +205,9 @@ def decode(raw: bytes) -> list:
 # torch.distributed's own collective timeout, as `%mpilab start --collective-timeout` set it
 COLLECTIVE_TIMEOUT_ENV = "MPILAB_COLLECTIVE_TIMEOUT"
 DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
+
+# -- `mpilab bench`: rank 0's measurements, one line that the command reads ----------------
+BENCH_RESULT_PREFIX = "mpilab-bench-result "  # then {"rows": [...], "ceiling": GB/s} as JSON
 
 # -- the supervisor's report ------------------------------------------------------------------
 REPORT_PREFIX = "mpilab-engine-exit"
