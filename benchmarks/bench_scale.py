@@ -19,7 +19,11 @@ pids, on hosts other than this one, and no launcher output: the cost measured is
 watchdog's own, over 1,024 heartbeats and cell windows).
 
 Per size, over the steady part of the run (after --warmup s):
-- kernel CPU: the kernel process's CPU time (every thread: receiver, ZMQ, main) / wall;
+- kernel CPU: the kernel process's CPU time (every thread: receiver, ZMQ, main) / wall,
+  and its parts: the receiver thread filing records (its CPU less the dashboard's
+  redraws, which run on it), the redraws, the main thread (relay, watchdog, ticks), and
+  the other threads (ZMQ's I/O); CPU time, so a busy machine inflates them less than wall
+  times;
 - latency: a logged loss's time on the rank to its filing in the store, and to the
   dashboard redraw that took it (median, p95; both include the rank's wait for its next
   send moment, up to 0.25 s);
@@ -111,11 +115,20 @@ checks, check_cpu, verdicts, ticks = [], [], [], []
 started = time.monotonic()
 steady = started + WARMUP
 cpu0 = wall0 = None
+import psutil, threading
+_me = psutil.Process()
+_receiver_tid = receiver._thread.native_id
+_main_tid = threading.main_thread().native_id
+def thread_cpu():  # CPU s of the receiver thread, the main thread, and all threads
+    got = {t.id: t.user_time + t.system_time for t in _me.threads()}
+    total = sum(got.values())
+    return got.get(_receiver_tid, 0.0), got.get(_main_tid, 0.0), total
 line_due, line = started + 1.0, 0
 while time.monotonic() < started + DURATION:
     now = time.monotonic()
     if cpu0 is None and now >= steady:
         cpu0, wall0, steady_epoch = time.process_time(), now, time.time()
+        threads0 = thread_cpu()
         _measuring[0] = True
     if now >= line_due:  # every rank prints a line a second
         line += 1
@@ -135,7 +148,9 @@ while time.monotonic() < started + DURATION:
     if verdict is not None:
         verdicts.append(verdict.lines[:2])
     time.sleep(max(0.0, TICK_S - (time.monotonic() - now)))
-cpu = (time.process_time() - cpu0) / (time.monotonic() - wall0)
+steady_wall = time.monotonic() - wall0
+cpu = (time.process_time() - cpu0) / steady_wall
+threads = [(b - a) / steady_wall for a, b in zip(threads0, thread_cpu())]
 _measuring[0] = False
 # record -> store: a logged loss's time on the rank to its filing (the store's last column)
 filed = np.concatenate([rows for _, _, rows in store.new_rows("log", {})])
@@ -144,9 +159,11 @@ to_store = filed[:, -1] - filed[:, 0]
 def pct(values, q):
     return float(np.percentile(values, q)) if len(values) else float("nan")
 span = (_redraw_at[-1] - _redraw_at[0]) if len(_redraw_at) > 1 else float("nan")
-import psutil
 print(json.dumps({
-    "cpu": cpu, "latency": [pct(_latency, 50), pct(_latency, 95), len(_latency)],
+    "cpu": cpu, "receiver_cpu": threads[0], "main_cpu": threads[1],
+    "other_cpu": threads[2] - threads[0] - threads[1],
+    "drawing_cpu": sum(_redraw) / steady_wall,
+    "latency": [pct(_latency, 50), pct(_latency, 95), len(_latency)],
     "to_store": [pct(to_store, 50), pct(to_store, 95), len(to_store)],
     "check": [pct(checks, 50), pct(checks, 95), max(checks), len(checks)],
     "check_cpu": [pct(check_cpu, 50), pct(check_cpu, 95)],
@@ -294,7 +311,8 @@ def main() -> None:
     print(f"{args.senders} sender processes, {args.step_rate:g} steps/s per rank "
           f"(a step: a step record, a loss, 2 allreduce spans), {args.duration:g} s runs, "
           f"measured after {args.warmup:g} s; {os.cpu_count()} cores")
-    header = ("ranks | kernel CPU (cores) | record->store, ->dashboard median / p95 (s) | "
+    header = ("ranks | kernel CPU (cores): all = filing + drawing + main + ZMQ | "
+              "record->store, ->dashboard median / p95 (s) | "
               "watchdog check median / p95 / max (ms), CPU median / p95 (ms) | "
               "store tables (MB) / cap (MB) | kernel RSS (MB) | "
               "redraw CPU median / p95 (ms), redraws/s | load avg")
@@ -303,7 +321,9 @@ def main() -> None:
     for world in [int(s) for s in args.sizes.split(",")]:
         got = results[world] = measure(world, args)
         lat, chk, red = got["latency"], got["check"], got["redraw"]
-        print(f"{world} | {got['cpu']:.2f} | {got['to_store'][0]:.3f} / "
+        filing = got["receiver_cpu"] - got["drawing_cpu"]
+        print(f"{world} | {got['cpu']:.2f} = {filing:.2f} + {got['drawing_cpu']:.2f} + "
+              f"{got['main_cpu']:.2f} + {got['other_cpu']:.2f} | {got['to_store'][0]:.3f} / "
               f"{got['to_store'][1]:.3f}, {lat[0]:.3f} / {lat[1]:.3f} | "
               f"{1e3 * chk[0]:.2f} / {1e3 * chk[1]:.2f} / {1e3 * chk[2]:.1f}, "
               f"{1e3 * got['check_cpu'][0]:.2f} / {1e3 * got['check_cpu'][1]:.2f} | "

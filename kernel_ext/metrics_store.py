@@ -48,6 +48,7 @@ class MetricsStore:
     received: int = 0  # records filed (a table's row counts as one)
     version: int = 0  # bumps on every filing; readers poll it cheaply
     events: int = 0  # events filed into the buffers (a cell's start and end among them)
+    beats: int = 0  # heartbeats filed: a reader of `heartbeats` polls it cheaply
     heartbeats: dict = field(default_factory=dict)
     _latest: dict = field(default_factory=dict)  # (what, rank) -> newest LATEST_ONLY event
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
@@ -146,6 +147,7 @@ class MetricsStore:
             record["recv"] = now
             if kind == HEARTBEAT:
                 self.heartbeats[rank] = record
+                self.beats += 1
             elif record["what"] in LATEST_ONLY_EVENTS:
                 self._latest[(record["what"], rank)] = record
             else:

@@ -16,7 +16,7 @@ import zmq
 from mpilab.cell_window import CellWindow
 from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import Agent
-from mpilab.receiver import RecordReceiver
+from mpilab.receiver import DRAIN_MESSAGES, RecordReceiver
 from mpilab.records import validate
 from mpilab.wire import (
     BATCH_RECORDS,
@@ -522,6 +522,30 @@ def test_receiver_tells_listeners_once_per_round_of_batches():
         wait_for(lambda: rounds)
         time.sleep(0.2)
         assert rounds == [10]
+    finally:
+        push.close(linger=0)
+        receiver.close()
+
+
+def test_receiver_files_more_messages_than_it_drains_at_once():
+    """The receiver files what the socket holds DRAIN_MESSAGES at a time: all of it,
+    in order per rank."""
+    store = MetricsStore(world_size=2)
+    receiver = RecordReceiver(store)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    try:
+        push.connect(receiver.address)
+        sent = 3 * DRAIN_MESSAGES + 7
+        for n in range(sent):
+            (message,) = encode(n % 2, [with_(GOOD["event"], r=n % 2, t=T0 + n, what=str(n))])
+            push.send(message)
+        wait_for(lambda: store.received == sent)
+        assert [e["what"] for e in store.records("event", rank=1)] == [
+            str(n) for n in range(1, sent, 2)]
+        assert store.dropped == 0 and store.beats == 0
+        (beat,) = encode(0, [GOOD["hb"]])
+        push.send(beat)
+        wait_for(lambda: store.beats == 1)
     finally:
         push.close(linger=0)
         receiver.close()
