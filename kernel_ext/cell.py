@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ipyparallel.error import TaskAborted
 
-from .channel import CellWindow
+from .cell_window import CellWindow
 from .cluster import RankCluster
 from .live import LiveViews
 from .relay import DEFAULT_OUTPUT_CAP, OutputRelay, discard, strip_ansi

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cell import CellOutcome, RunningCell, RunOptions, display_bundle, is_interrupt
-from .channel import CellWindow
+from .cell_window import CellWindow
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
 from .selection import parse_ranks, rank_label

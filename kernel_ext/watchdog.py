@@ -16,7 +16,7 @@ from typing import Literal
 
 import psutil
 
-from .channel import CellWindow
+from .cell_window import CellWindow
 from .wire import exit_reports
 
 DEFAULT_HANG_TIMEOUT_S = 30.0

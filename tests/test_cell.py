@@ -12,7 +12,7 @@ import pytest
 from ipyparallel.error import TaskAborted
 from mpilab import cell as cell_module
 from mpilab.cell import CellOutcome, RunningCell, RunOptions
-from mpilab.channel import MetricsStore
+from mpilab.metrics_store import MetricsStore
 from mpilab.runner import report_text
 
 BOOM = "Traceback (most recent call last):\n  Cell In[3], line 1\nValueError: boom"

@@ -5,8 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
-from mpilab.channel import CellWindow, MetricsStore
+from mpilab.cell_window import CellWindow
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
+from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.relay import OutputRelay
