@@ -197,22 +197,22 @@ class RunningCell:
         in a call that cannot be interrupted. A rank that has not begun the cell (it still
         runs an earlier --noblock one) is not interrupted: the cell leaves its queue."""
         outcome, singles, store = self.outcome, self._singles, self.cluster.store
-        waiting = [r for r in ranks
-                   if r not in self.window.bounds(store) and not singles[r].ready()]
-        if waiting:
+        queued = [r for r in ranks
+                  if r not in self.window.bounds(store) and not singles[r].ready()]
+        if queued:
             try:
-                self.cluster.client.abort([self._msg_ids[r] for r in waiting],
-                                          targets=self.cluster.engines(waiting), block=False)
+                self.cluster.client.abort([self._msg_ids[r] for r in queued],
+                                          targets=self.cluster.engines(queued), block=False)
             except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
                 pass
         interrupted: list[int] = []
-        settled = time.monotonic() + (ABORT_SETTLE_S if waiting else 0.0)
+        settled = time.monotonic() + (ABORT_SETTLE_S if queued else 0.0)
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         while True:
             # a rank that began the cell as it was taken off the queue is interrupted too
             begun = self.window.bounds(store)
             fresh = [r for r in ranks
-                     if r not in interrupted and (r not in waiting or r in begun)]
+                     if r not in interrupted and (r not in queued or r in begun)]
             if fresh:
                 self._interrupt(fresh)
                 interrupted += fresh
@@ -220,7 +220,7 @@ class RunningCell:
             if (done and time.monotonic() >= settled) or time.monotonic() > deadline:
                 break
             time.sleep(TICK_S)
-        outcome.dropped = [r for r in waiting if r not in interrupted]
+        outcome.dropped = [r for r in queued if r not in interrupted]
         if outcome.dropped:
             outcome.notes.append(
                 f"{rank_label(outcome.dropped)} had not begun the cell: an earlier --noblock "
