@@ -42,11 +42,18 @@ def test_hostfile_ranks_then_unload_and_kernel_shutdown_leave_nothing(tmp_path):
         assert kernel.run("%unload_ext mpilab", timeout=60).ok
         _assert_gone(pids)
         # loaded again, started again on this host's network address (as for ranks on
-        # other hosts: the controller and the record channel listen there), then the
-        # kernel itself goes away
+        # other hosts: the controller and the record channel listen there), with three
+        # ranks (on a 2-core host: more ranks than cores, so each rank warms up after
+        # its start), then the kernel itself goes away
         assert kernel.run("%load_ext mpilab").ok
         ip = _network_address()
-        assert kernel.run(f"%mpilab start -n 2 --controller-ip {ip}", timeout=180).ok
+        assert kernel.run(f"%mpilab start -n 3 --controller-ip {ip}", timeout=180).ok
+        run = kernel.run("%%ranks\nfrom mpilab.rank import engine, warmup\n"
+                         "done = warmup.wait(120) is not None\ncomm.Barrier()\n"
+                         "print(engine._warming_since_start, done)",
+                         timeout=180)
+        oversubscribed = len(os.sched_getaffinity(0)) < 3
+        assert f"[ranks 0-2] {not oversubscribed} True" in run.stdout, run.text
         run = kernel.run("%%ranks\nfor step in range(3):\n    mpilab.log(step=step, loss=1.0)")
         assert run.ok, run.text
         address = kernel.run("from mpilab.session import Session\n"
