@@ -1,4 +1,4 @@
-"""Gradient compression with error feedback (PowerSGD, top-k) and the traffic report.
+"""Gradient compression with error feedback: PowerSGD and top-k.
 
 Why: on slow links the gradient allreduce dominates a step. Two families from the
 literature cut its bytes by one to three orders of magnitude at little cost in accuracy,
@@ -9,35 +9,31 @@ because what a step does not send is remembered and added to the next step's gra
   sent as a rank-r product P·Qᵀ found by one power-iteration step warm-started from the
   previous step's Q. P = M·Q and Q = Mᵀ·P̂ are linear in M, so allreducing them gives an
   approximation of the mean gradient. Vectors, and matrices too small to gain, travel
-  uncompressed.
+  uncompressed (``PowerSGD.factor_rank`` says which).
 - top-k sparsification (Aji & Heafield 2017; Stich et al. 2018; Lin et al. 2018, DGC):
   each rank sends only its k largest-magnitude entries (values and int32 indices); every
   rank gathers all of them and forms the same sparse mean.
 
-``backend="mpi"``: ``CompressedGradSync`` does this at the end of backward, on the thread
-autograd ends it on (for a GPU model, a device thread while the training thread waits in
-``backward()``: inside ``waiting.for_main_thread()``), with mpilab's instrumented
-collectives; GPU gradients are staged through pinned memory. ``backend="torch"`` (and
-"auto" for a GPU model on NCCL): ``ddp_hook`` gives DDP torch's own powerSGD_hook, or
-mpilab's top-k hook. Both report, every step, the bytes this rank sent and the running
-compression ratio against uncompressed DataParallel (``TrafficMeter``: a "log" record
-with values ``bytes_sent`` and ``compression_ratio``).
+One compressor per method (``make_compressor``) serves both of DataParallel's paths:
+``CompressedGradSync`` reduces every gradient at the end of backward over MPI
+(``backend="mpi"``), and ``CompressedBuckets`` reduces each of DDP's buckets over
+torch.distributed (``backend="torch"``, and "auto" for a GPU model on NCCL). Both say
+what they sent, which DataParallel reports (``accounting``).
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import agent as agent_mod
 from . import collectives, waiting
+from .accounting import traffic  # noqa: F401 - mpilab.traffic's entry in kernel_ext/__init__.py
 
 _NAMES = ("fp16", "bf16", "powersgd", "topk")
 
@@ -61,6 +57,17 @@ class PowerSGD:
         if not self.min_compression_rate > 0:
             raise ValueError("PowerSGD min_compression_rate must be positive, got "
                              f"{self.min_compression_rate!r}")
+
+    def factor_rank(self, shape: Sequence[int]) -> int | None:
+        """The rank r at which a gradient of `shape`, viewed as n = shape[0] rows of m,
+        travels as its factors P (n×r) and Q (m×r); None when it travels whole: a
+        vector, or a matrix the factors would shrink less than min_compression_rate."""
+        if len(shape) < 2:
+            return None
+        n = shape[0]
+        m = math.prod(shape) // n if n else 0
+        r = min(n, m, self.rank)
+        return r if (n + m) * r * self.min_compression_rate < n * m else None
 
 
 @dataclass(frozen=True)
@@ -92,64 +99,6 @@ def resolve(compression: Any) -> str | Method | None:
                      "mpilab.TopK(ratio=…)")
 
 
-@dataclass
-class TrafficMeter:
-    """Bytes sent per step and the running compression ratio, as "log" records.
-
-    The ratio compares with uncompressed DataParallel over the same steps: every
-    gradient allreduced, in its own dtype, every step (`dense_bytes` per step). Until
-    something has been sent there is no ratio: the records carry ``bytes_sent`` only.
-    """
-
-    dense_bytes: int
-    steps: int = 0
-    sent: int = 0
-
-    @property
-    def ratio(self) -> float:
-        return self.dense_bytes * self.steps / self.sent if self.sent else 0.0
-
-    def report(self, step: int, nbytes: int) -> None:
-        self.steps += 1
-        self.sent += nbytes
-        values = {"bytes_sent": float(nbytes)}
-        if self.sent:
-            values["compression_ratio"] = self.ratio
-        agent_mod.current().emit("log", step=int(step), values=values)
-
-
-@dataclass
-class Traffic:
-    """What this rank's training steps sent inside a ``traffic()`` block."""
-
-    nbytes: int = 0
-    steps: int = 0
-
-
-_counting: list[Traffic] = []  # the open traffic() blocks
-
-
-def count_step(nbytes: int) -> None:
-    """A training step sent `nbytes`: every strategy's step clock reports here."""
-    for counted in _counting:
-        counted.nbytes += nbytes
-        counted.steps += 1
-
-
-@contextmanager
-def traffic() -> Iterator[Traffic]:
-    """Count the bytes this rank's training steps send inside the block, whatever the
-    strategy (DataParallel, compressed or not, LocalSGD, EASGD): the same figure as
-    their "step" records' ``nbytes``. For comparing strategies side by side in one
-    notebook."""
-    counted = Traffic()
-    _counting.append(counted)
-    try:
-        yield counted
-    finally:
-        _counting.remove(counted)
-
-
 # ------------------------------------------------------------------------- compressors
 class PowerSGDCompressor:
     """Rank-r PowerSGD with error feedback over mpilab's collectives (Vogels et al. 2019)."""
@@ -165,13 +114,6 @@ class PowerSGDCompressor:
         self.steps = 0
         self.errors: dict[int, torch.Tensor] = {}
         self.qs: dict[int, torch.Tensor] = {}
-
-    def _compressible(self, g: torch.Tensor) -> bool:
-        if g.dim() < 2:
-            return False
-        n, m = g.shape[0], g.numel() // g.shape[0]
-        r = min(n, m, self.cfg.rank)
-        return (n + m) * r * self.cfg.min_compression_rate < n * m
 
     def _q(self, i: int, m: int, r: int, like: torch.Tensor) -> torch.Tensor:
         """Last step's Q (warm start); the first is random from a seed every rank shares."""
@@ -189,13 +131,14 @@ class PowerSGDCompressor:
             return collectives.tensor_bytes(grads)
         plain, mats, ps = [], [], []
         for i, g in enumerate(grads):
-            if not self._compressible(g):
+            r = self.cfg.factor_rank(g.shape)
+            if r is None:
                 plain.append(g)
                 continue
             m = g.view(g.shape[0], -1)
-            if i in self.errors:
-                m.add_(self.errors[i])  # error feedback: what earlier steps did not send
-            r = min(m.shape[0], m.shape[1], self.cfg.rank)
+            error = self.errors.get(i)
+            if error is not None and error.shape == m.shape:
+                m.add_(error)  # error feedback: what earlier steps did not send
             mats.append((i, m))
             ps.append(m @ self._q(i, m.shape[1], r, m))
         collectives.allreduce(plain + ps, op="mean", backend=self.backend)
@@ -257,15 +200,6 @@ def make_compressor(method: Method, backend: str = "auto") -> PowerSGDCompressor
 
 
 # ------------------------------------------------------------------- DataParallel paths
-def replace_grad_hooks(model: nn.Module, handles: Sequence = ()) -> None:
-    """Keep `handles` as the model's gradient hooks, removing an earlier wrap's: a cell
-    that wraps the same model again would otherwise reduce every gradient twice."""
-    for handle in model.__dict__.pop("_mpilab_grad_hooks", []):
-        handle.remove()
-    if handles:
-        model.__dict__["_mpilab_grad_hooks"] = list(handles)
-
-
 class CompressedGradSync:
     """DataParallel's MPI path when gradients are compressed.
 
@@ -282,8 +216,9 @@ class CompressedGradSync:
         self.clock = clock
         self.enabled = True
         self.pending = False
-        replace_grad_hooks(model, [p.register_post_accumulate_grad_hook(self._on_grad)
-                                   for p in self.params])
+        # the gradient hooks' handles: DataParallel's claim on the model holds them
+        self.hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                      for p in self.params]
         waiting.on_recover(self.reset)
 
     def reset(self) -> None:
@@ -314,77 +249,34 @@ class CompressedGradSync:
         self.clock.synced(elapsed)
 
 
-class _CountingHook:
-    """A DDP comm hook that counts the bytes `inner` sends into the step clock."""
+class CompressedBuckets:
+    """DDP's path when gradients are compressed: each of DDP's buckets reduced by a
+    compressor of its own (its error feedback and warm start are the bucket's), over
+    torch.distributed. Called by DataParallel's bucket hook on autograd's thread; it
+    returns a completed future and the bytes the bucket sent."""
 
-    def __init__(self, inner: Callable, state: Any, bytes_of: Callable[[Any], int],
-                 clock: Any):
-        self.inner = inner
-        self.state = state
-        self.bytes_of = bytes_of
-        self.clock = clock
+    def __init__(self, method: Method):
+        self.method = method
+        self.compressors: dict[int, PowerSGDCompressor | TopKCompressor] = {}
 
-    def __call__(self, state, bucket):  # unannotated: DDP checks annotations against its own
-        self.clock.nbytes += self.bytes_of(bucket)  # before inner: torch's state.iter moves
-        return self.inner(self.state, bucket)
-
-
-def _powersgd_bytes(state: Any) -> Callable[[Any], int]:
-    """What torch's powerSGD_hook sends for a bucket. Its rule, from the PowerSGD paper:
-    an (n, m) gradient of rank-r approximation travels as its factors P (n, r) and Q
-    (m, r) when they are `min_compression_rate` times smaller than it; else whole."""
-
-    def bytes_of(bucket) -> int:
-        buffer = bucket.buffer()
-        if state.iter < state.start_powerSGD_iter:
-            return collectives.tensor_bytes(buffer)
-        numel = 0
-        for g in bucket.gradients():
-            n = g.shape[0]  # torch views each gradient as (shape[0], -1)
-            m = g.numel() // n
-            r = min(n, m, state.matrix_approximation_rank)
-            dense, factors = n * m, (n + m) * r
-            numel += factors if factors * state.min_compression_rate < dense else dense
-        return numel * buffer.element_size()
-
-    return bytes_of
-
-
-class _TopKDDP:
-    """mpilab's top-k for DDP: one compressor (and error) per DDP bucket."""
-
-    def __init__(self, cfg: TopK):
-        self.cfg = cfg
-        self.compressors: dict[int, TopKCompressor] = {}
-
-    def __call__(self, state, bucket):
-        return waiting.run_for_main(self._reduce, bucket)  # autograd's thread, on a GPU
-
-    def _reduce(self, bucket) -> torch.futures.Future:
+    def __call__(self, bucket: Any) -> tuple[torch.futures.Future, int]:
         buffer = bucket.buffer()
         compressor = self.compressors.get(bucket.index())
         if compressor is None:
-            compressor = self.compressors[bucket.index()] = TopKCompressor(self.cfg, "torch")
-        compressor.reduce([buffer])
+            compressor = self.compressors[bucket.index()] = make_compressor(self.method,
+                                                                           "torch")
+        nbytes = compressor.reduce(_bucket_gradients(bucket, buffer)
+                                   if isinstance(self.method, PowerSGD) else [buffer])
         future: torch.futures.Future = torch.futures.Future()
         future.set_result(buffer)
-        return future
-
-    def bytes_of(self, bucket) -> int:
-        k = max(1, math.ceil(self.cfg.ratio * bucket.buffer().numel()))
-        return k * (bucket.buffer().element_size() + 4)
+        return future, nbytes
 
 
-def ddp_hook(method: Method, clock: Any) -> Callable:
-    """The DDP comm hook for `method` (backend "torch"); it counts its own bytes."""
-    if isinstance(method, PowerSGD):
-        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-        state = psgd.PowerSGDState(
-            process_group=None, matrix_approximation_rank=method.rank,
-            start_powerSGD_iter=method.dense_steps,
-            min_compression_rate=method.min_compression_rate,
-            use_error_feedback=True, warm_start=True, random_seed=0)
-        return _CountingHook(psgd.powerSGD_hook, state, _powersgd_bytes(state), clock)
-    topk = _TopKDDP(method)
-    return _CountingHook(topk, None, topk.bytes_of, clock)
+def _bucket_gradients(bucket: Any, buffer: torch.Tensor) -> list[torch.Tensor]:
+    """Views of the bucket's flat buffer shaped like its parameters, in its order (what
+    PowerSGD factors; reducing them in place reduces the buffer)."""
+    views, offset = [], 0
+    for p in bucket.parameters():
+        views.append(buffer[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views

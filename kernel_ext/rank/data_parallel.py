@@ -44,7 +44,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,20 +52,14 @@ import torch
 from torch import nn
 
 from . import agent as agent_mod
-from . import collectives, reduction, torch_group, waiting
-from .compression import (
-    CompressedGradSync,
-    Method,
-    TrafficMeter,
-    count_step,
-    ddp_hook,
-    replace_grad_hooks,
-)
+from . import collectives, ownership, reduction, torch_group, waiting
+from .accounting import StepClock, TrafficMeter
+from .compression import CompressedBuckets, CompressedGradSync, Method
 from .compression import resolve as resolve_compression
 from .context import context
 from .waiting import wait_interruptibly
 
-BACKENDS = ("auto", "mpi", "torch")
+PATHS = ("auto", "mpi", "torch")  # DataParallel's backend argument: how gradients travel
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -78,9 +72,9 @@ class DataParallelConfig:
     compression: str | Method | None = None
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
+        if self.backend not in PATHS:
             raise ValueError(f"DataParallel backend {self.backend!r} is not one of "
-                             f"{', '.join(BACKENDS)}")
+                             f"{', '.join(PATHS)}")
         resolve_compression(self.compression)  # powersgd, topk: see compression.py
         if not self.bucket_mb > 0:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
@@ -99,49 +93,6 @@ def choose_backend(requested: str, device_types: set[str],
         if torch_group.auto_transport(device_type, backends) == "torch":
             return "torch"
     return "mpi"
-
-
-@dataclass
-class _StepClock:
-    """Per-step timing, accumulated by the hooks and emitted once per synchronised step."""
-
-    step: int = 0
-    last_sync: float | None = None
-    first_forward: float | None = None
-    samples: int = 0
-    comm_s: float = 0.0
-    nbytes: int = 0
-    # what a method that sends less than plain DataParallel reports at each step: its
-    # bytes and compression ratio, as log records (compression and the strategies)
-    meter: TrafficMeter | None = None
-
-    def forward(self, args: tuple, kwargs: dict) -> None:
-        """Count the samples: the first dimension of the first tensor argument."""
-        if self.first_forward is None:
-            self.first_forward = time.perf_counter()
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, torch.Tensor):
-                self.samples += int(value.shape[0]) if value.dim() else 1
-                return
-
-    def synced(self, exposed_wait_s: float) -> None:
-        """One gradient synchronisation finished: record it and start the next step."""
-        now = time.perf_counter()
-        start = self.last_sync if self.last_sync is not None else self.first_forward or now
-        dur = now - start
-        self.step += 1
-        agent = agent_mod.current()
-        agent.state.step = self.step
-        agent.emit("step", step=self.step, dur=dur, compute=max(0.0, dur - exposed_wait_s),
-                   comm=self.comm_s, nbytes=self.nbytes, samples=self.samples)
-        count_step(self.nbytes)
-        if self.meter is not None:
-            self.meter.report(self.step, self.nbytes)
-        self.last_sync = now
-        self.first_forward = None
-        self.samples = 0
-        self.comm_s = 0.0
-        self.nbytes = 0
 
 
 # --------------------------------------------------------------------------- MPI backend
@@ -293,7 +244,7 @@ class _MPIGradSync:
     """Bucketed, overlapped gradient averaging over MPI for one model."""
 
     def __init__(self, model: nn.Module, cfg: DataParallelConfig, world_size: int,
-                 clock: _StepClock):
+                 clock: StepClock):
         params = [p for p in model.parameters() if p.requires_grad]
         self.world_size = world_size
         self.clock = clock
@@ -301,12 +252,12 @@ class _MPIGradSync:
         self.enabled = True
         self.buckets = _make_buckets(params, cfg, world_size)
         self.where: dict[nn.Parameter, tuple[_Bucket, int]] = {}
-        handles = []
+        # the gradient hooks' handles: DataParallel's claim on the model holds them
+        self.hooks = []
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 self.where[p] = (bucket, i)
-                handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        replace_grad_hooks(model, handles)
+                self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         self.reset()
         waiting.on_recover(self.reset)  # after the comm thread's recovery: it drains first
 
@@ -475,14 +426,34 @@ class _BucketTimer:
         return self.end_s - self.begin_s
 
 
-class _TimedHook:
-    """Wraps one of torch's DDP comm hooks: times every bucket, waits for the step's
-    buckets interruptibly at the end of backward, and closes each step."""
+# How DDP reduces one bucket: a future of the averaged bucket and the bytes it sends.
+BucketReduce = Callable[[Any], tuple[torch.futures.Future, int]]
 
-    def __init__(self, inner: Any, wire_bytes: int | None, clock: _StepClock,
+
+@dataclass(frozen=True)
+class _WholeBuckets:
+    """torch's own comm hook, which sends each bucket whole: in the gradients' dtype
+    (``allreduce_hook``), or cast to `wire_dtype` (``fp16_compress_hook``,
+    ``bf16_compress_hook``)."""
+
+    hook: Callable[[Any, Any], torch.futures.Future]
+    wire_dtype: torch.dtype | None = None
+
+    def __call__(self, bucket: Any) -> tuple[torch.futures.Future, int]:
+        buffer = bucket.buffer()
+        itemsize = self.wire_dtype.itemsize if self.wire_dtype else buffer.element_size()
+        return self.hook(None, bucket), buffer.numel() * itemsize
+
+
+class _TimedHook:
+    """DataParallel's one DDP comm hook around a way of reducing a bucket
+    (`reduce_bucket`: _WholeBuckets or compression.CompressedBuckets): counts the
+    bytes each bucket sends, times it, waits for the step's buckets interruptibly at the
+    end of backward, and closes each step."""
+
+    def __init__(self, reduce_bucket: BucketReduce, clock: StepClock,
                  device: torch.device):
-        self.inner = inner
-        self.wire_bytes = wire_bytes
+        self.reduce_bucket = reduce_bucket
         self.clock = clock
         self.device = device
         self.pending = False
@@ -490,25 +461,24 @@ class _TimedHook:
         self.timers: list[_BucketTimer] = []
 
     def hook(self, state, bucket):  # unannotated: DDP checks annotations against its own
-        """The comm hook DDP calls for every bucket (on autograd's thread; mpilab's top-k
-        hook waits in collectives there)."""
+        """The comm hook DDP calls for every bucket (on autograd's thread; mpilab's
+        compressors wait in collectives there)."""
         return waiting.run_for_main(self._launch, state, bucket)
 
     def _launch(self, state, bucket) -> torch.futures.Future:
         if not self.pending:
             self.pending = True
             torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-        buffer = bucket.buffer()
-        if self.wire_bytes != 0:  # 0: the inner hook counts its own bytes (compression.py)
-            self.clock.nbytes += buffer.numel() * (self.wire_bytes or buffer.element_size())
-        timer = _BucketTimer(buffer.device)
+        timer = _BucketTimer(bucket.buffer().device)
         self.timers.append(timer)
+        reduced, nbytes = self.reduce_bucket(bucket)
+        self.clock.nbytes += nbytes
 
         def done(fut: torch.futures.Future) -> Any:
             timer.stop()
             return fut.value()
 
-        future = self.inner(state, bucket).then(done)
+        future = reduced.then(done)
         self.futures.append(future)
         return future
 
@@ -557,7 +527,7 @@ def _model_device(model: nn.Module, default: torch.device) -> torch.device:
 
 
 def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
-              clock: _StepClock) -> nn.Module:
+              clock: StepClock) -> nn.Module:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel
 
@@ -567,14 +537,14 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
     )
     method = resolve_compression(cfg.compression)
     if isinstance(method, Method):
-        inner, wire_bytes = ddp_hook(method, clock), 0
+        reduce_bucket: BucketReduce = CompressedBuckets(method)
     else:
-        inner, wire_bytes = {
-            None: (default_hooks.allreduce_hook, None),
-            "fp16": (default_hooks.fp16_compress_hook, 2),
-            "bf16": (default_hooks.bf16_compress_hook, 2),
+        reduce_bucket = {
+            None: _WholeBuckets(default_hooks.allreduce_hook),
+            "fp16": _WholeBuckets(default_hooks.fp16_compress_hook, torch.float16),
+            "bf16": _WholeBuckets(default_hooks.bf16_compress_hook, torch.bfloat16),
         }[method]
-    ddp.register_comm_hook(None, _TimedHook(inner, wire_bytes, clock, device).hook)
+    ddp.register_comm_hook(None, _TimedHook(reduce_bucket, clock, device).hook)
     return ddp
 
 
@@ -619,7 +589,7 @@ class ModelWrapper(nn.Module):
     the averaging strategies share it."""
 
     module: nn.Module
-    _clock: _StepClock
+    _clock: StepClock
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._clock.forward(args, kwargs)
@@ -664,13 +634,11 @@ class DataParallel(ModelWrapper):
             raise ValueError(f"the model is already wrapped by {type(model).__name__}: "
                              "wrap the plain model (its .module) instead")
         self.module = model
-        self._clock = _StepClock()
+        self._clock = StepClock()
         if compression is not None:
             self._clock.meter = TrafficMeter(collectives.tensor_bytes(
                 [p for p in model.parameters() if p.requires_grad]))
         check_same_parameters(model)
-        # a strategy that wrapped this model before (a rerun cell) stops at its next step
-        model.__dict__.pop("_mpilab_strategy", None)
         self.backend = choose_backend(self.config.backend,
                                       {p.device.type for p in model.parameters()},
                                       torch_group.group_backends())
@@ -690,6 +658,9 @@ class DataParallel(ModelWrapper):
                 self._sync = CompressedGradSync(model, method, self._clock)
             else:
                 self._sync = _MPIGradSync(model, self.config, ctx.world_size, self._clock)
+        # a wrap before this one (a rerun cell) lets go: its gradient hooks go, and a
+        # strategy stops at its next step
+        ownership.claim(model, self, self._sync.hooks if self._sync is not None else ())
 
     def _current_ddp(self) -> nn.Module:
         """The DDP wrapper, made again if recovery has made a new torch.distributed

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import collectives, torch_group
-from .compression import TrafficMeter, replace_grad_hooks
+from . import collectives, ownership, torch_group
+from .accounting import StepClock, TrafficMeter
 from .context import context
-from .data_parallel import DataParallel, ModelWrapper, _StepClock, check_same_parameters
+from .data_parallel import DataParallel, ModelWrapper, check_same_parameters
 
 _live: weakref.WeakSet[_Averaging] = weakref.WeakSet()
 _hook: Any = None
@@ -76,15 +76,14 @@ class _Averaging(ModelWrapper):
             [b.detach() for b in model.buffers() if b.is_floating_point()]
         self._param_ids = {id(p) for p in params}
         self._optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._clock = _StepClock(meter=TrafficMeter(collectives.tensor_bytes(params)))
+        self._clock = StepClock(meter=TrafficMeter(collectives.tensor_bytes(params)))
         # Rewrapping (a rerun cell) replaces the earlier wrap, DataParallel's hooks too.
-        replace_grad_hooks(model)
-        earlier = model.__dict__.get("_mpilab_strategy")
-        if earlier is not None:
+        # The model keeps its strategy alive: `LocalSGD(net)` works without keeping the
+        # wrapper.
+        earlier = ownership.owner_of(model)
+        if isinstance(earlier, _Averaging):
             _live.discard(earlier)
-        # the model keeps its strategy alive: `LocalSGD(net)` works without keeping the
-        # wrapper (a plain __dict__ entry, so not a submodule of the model)
-        model.__dict__["_mpilab_strategy"] = self
+        ownership.claim(model, self, keep_alive=True)
         _live.add(self)
         if _hook is None:
             _hook = register_optimizer_step_post_hook(_after_optimizer_step)
@@ -107,7 +106,7 @@ class _Averaging(ModelWrapper):
         raise NotImplementedError
 
     def _after_step(self) -> None:
-        if self.module.__dict__.get("_mpilab_strategy") is not self:  # rewrapped since
+        if ownership.owner_of(self.module) is not self:  # rewrapped since
             _live.discard(self)
             return
         self.steps += 1
@@ -188,8 +187,7 @@ class EASGD(_Averaging):
 
     def center_module(self) -> nn.Module:
         """A copy of the model holding the centre variable (what EASGD evaluates)."""
-        clone = copy.deepcopy(self.module, memo={id(self): None})  # not this wrapper
-        clone.__dict__.pop("_mpilab_strategy", None)
+        clone = copy.deepcopy(self.module, memo={id(self): None})  # owned by nobody
         params = [p for p in clone.parameters() if p.requires_grad]
         state = params + [b for b in clone.buffers() if b.is_floating_point()]
         with torch.no_grad():
