@@ -1,237 +1,25 @@
 """Training strategies on a real 2-rank cluster: LocalSGD, EASGD, compressed DataParallel.
 
-Two mpiexec runs (module fixtures) hold every rank-side check; the tests read their
-reports. Plus unit tests of the large-batch optimizer wrappers and of bad input.
+Two mpiexec runs (module fixtures) run the rank-side scenarios in tests/rank_scenarios/
+(strategies.py, compression.py); the tests read their reports. Plus unit tests of the
+large-batch optimizer wrappers and of bad input.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from mpirun import run_ranks
-
-# rank 0 reports everyone's results (long lines from two ranks can interleave)
-_PRELUDE = """
-import torch
-from torch import nn
-from mpilab.rank import agent
-
-records = []
-agent.current().emit = lambda kind, **f: records.append((kind, f))
-
-def report_all(obj):
-    everyone = ctx.comm.gather(obj, root=0)
-    if ctx.rank == 0:
-        report(everyone)
-
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-def spread(model):
-    # the largest difference between the ranks' parameters
-    everyone = ctx.comm.allgather(flat(model))
-    return max((t - everyone[0]).abs().max().item() for t in everyone)
-
-def error_of(fn):
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-
-def traffic(kinds=("span",)):
-    # (reported, counted) bytes per step: log records against the collectives' spans
-    pairs, counted = [], 0
-    for kind, f in records:
-        if kind == "span" and f.get("cat") == "comm":
-            counted += f["nbytes"]
-        elif kind == "log" and "bytes_sent" in f["values"]:
-            pairs.append((f["values"]["bytes_sent"], counted))
-            counted = 0
-    return pairs
-"""
-
-_STRATEGIES = _PRELUDE + """
-def make():
-    torch.manual_seed(10 + ctx.rank)  # different on purpose: the wrappers broadcast rank 0's
-    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
-
-g = torch.Generator().manual_seed(2)
-X, Y = torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
-loss_fn = nn.CrossEntropyLoss()
-
-def train(model, steps, after_step=None, lr=0.3):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    for k in range(steps):
-        lo = (2 * k + ctx.rank) * 4 % 64  # each rank its own batch of 4
-        opt.zero_grad()
-        loss_fn(model(X[lo:lo + 4]), Y[lo:lo + 4]).backward()
-        opt.step()
-        if after_step:
-            after_step(k + 1)
-    return model
-
-out = {}
-dp = train(mpilab.DataParallel(make()), 8)
-local = train(mpilab.LocalSGD(make(), period=1), 8)
-out["period1_vs_dp"] = (flat(dp) - flat(local)).abs().max().item()
-
-model = mpilab.LocalSGD(make(), period=3)
-spreads = []
-records.clear()
-with mpilab.traffic() as counted:
-    train(model, 7, lambda k: spreads.append(spread(model)))
-out["period3_counted"] = [counted.nbytes, counted.steps]
-out["period3_spreads"] = spreads
-out["period3_traffic"] = traffic()
-out["period3_ratio"] = [f["values"].get("compression_ratio") for k, f in records if k == "log"]
-out["param_bytes"] = sum(p.numel() * 4 for p in model.parameters())
-
-model = mpilab.LocalSGD(make(), period=4, warmup=2)
-spreads = []
-train(model, 6, lambda k: spreads.append(spread(model)))
-out["warmup_spreads"] = spreads
-
-plain = make()
-mpilab.LocalSGD(plain, period=1)
-model = mpilab.LocalSGD(plain, period=1)  # a rerun cell: replaces the first wrap
-records.clear()
-train(model, 2)
-out["rewrap_logs"] = sum(1 for k, _ in records if k == "log")
-dp = mpilab.DataParallel(plain)  # and DataParallel replaces a strategy
-records.clear()
-train(dp, 2)
-out["replaced_by_dp_logs"] = sum(1 for k, _ in records if k == "log")
-plain = make()
-mpilab.LocalSGD(plain, period=1)
-ddp = mpilab.DataParallel(plain, backend="torch")  # DDP's hooks: none of mpilab's
-records.clear()
-train(ddp, 2)
-out["replaced_by_ddp_logs"] = sum(1 for k, _ in records if k == "log")
-out["replaced_by_ddp_steps"] = sum(1 for k, _ in records if k == "step")
-
-import gc
-net = make()
-mpilab.LocalSGD(net, period=2)  # the wrapper is not kept: the model keeps it alive
-gc.collect()
-spreads = []
-train(net, 2, lambda k: spreads.append(spread(net)))
-out["unkept_wrapper_spreads"] = spreads
-
-# the large-batch wrappers around the optimizer: the strategy still sees every step
-model = mpilab.LocalSGD(make(), period=2)
-opt = mpilab.ScaledLR(mpilab.LARS(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)),
-                      warmup_steps=2)
-spreads = []
-for k in range(4):
-    opt.zero_grad()
-    loss_fn(model(X[k * 8 + ctx.rank * 4:][:4]), Y[k * 8 + ctx.rank * 4:][:4]).backward()
-    opt.step()
-    spreads.append(spread(model))
-out["wrapped_optimizer_spreads"] = spreads
-out["wrapped_optimizer_lr"] = opt.param_groups[0]["lr"]
-
-# EASGD, one averaging step by hand: lr 0 keeps the ranks where we put them
-model = make()
-easgd = mpilab.EASGD(model, alpha=0.2, period=2)
-c0 = [c.clone() for c in easgd.center]
-with torch.no_grad():
-    for p in model.parameters():
-        p.add_(0.1 * (ctx.rank + 1))  # x_i = x̃ + 0.1 (i + 1)
-opt = torch.optim.SGD(model.parameters(), lr=0.0)
-records.clear()
-opt.step()
-moved_early = max((c - c1).abs().max().item() for c, c1 in zip(easgd.center, c0))
-opt.step()
-# x_i ← x_i − α (x_i − x̃) ;  x̃ ← x̃ + α Σ_i (x_i − x̃) = x̃ + 0.2 × (0.1 + 0.2)
-want_x = [c + 0.1 * (ctx.rank + 1) * (1 - 0.2) for c in c0]
-want_c = [c + 0.2 * 0.3 for c in c0]
-out["easgd_before_period"] = moved_early
-out["easgd_x_error"] = max((p - w).abs().max().item() for p, w in zip(model.parameters(), want_x))
-out["easgd_c_error"] = max((c - w).abs().max().item() for c, w in zip(easgd.center, want_c))
-out["easgd_traffic"] = traffic()
-# a real run: the centre is the same on every rank, bit for bit, after every step
-model = mpilab.EASGD(make(), alpha=0.1, period=2)
-centers = []
-def center_spread(k):
-    mine = torch.cat([c.reshape(-1) for c in model.center])
-    everyone = ctx.comm.allgather(mine)
-    centers.append(max((t - everyone[0]).abs().max().item() for t in everyone))
-train(model, 6, center_spread)
-out["easgd_center_spreads"] = centers
-center = model.center_module()
-centre = torch.cat([c.reshape(-1) for c in model.center])
-out["center_module"] = (flat(center) - centre).abs().max().item()
-
-out["errors"] = [
-    error_of(lambda: mpilab.LocalSGD(make(), period=0)),
-    error_of(lambda: mpilab.LocalSGD(make(), warmup=-1)),
-    error_of(lambda: mpilab.EASGD(make(), alpha=0.9)),
-    error_of(lambda: mpilab.LocalSGD(mpilab.DataParallel(make()))),
-    error_of(lambda: mpilab.LocalSGD(make(), backend="nccl2")),
-]
-report_all(out)
-"""
-
-
-# Least squares, y = x·A + noise (A is 32×16: a matrix for PowerSGD), full batch split over
-# the ranks, plain SGD: every compression is compared with uncompressed DataParallel.
-_COMPRESSION = _PRELUDE + """
-import torch.distributed as dist
-
-g = torch.Generator().manual_seed(5)
-N, D, O = 256, 32, 16
-X, A = torch.randn(N, D, generator=g), torch.randn(D, O, generator=g)
-Y = X @ A + 0.01 * torch.randn(N, O, generator=g)
-mine = slice(ctx.rank * N // 2, (ctx.rank + 1) * N // 2)
-
-wire = []  # what torch.distributed actually sends (DDP's hooks call these)
-for name in ("all_reduce", "all_gather"):
-    def spy(tensor_or_list, tensor=None, *args, _real=getattr(dist, name), **kwargs):
-        sent = tensor if tensor is not None else tensor_or_list
-        wire.append(sent.numel() * sent.element_size())
-        return _real(tensor_or_list, *args, **kwargs) if tensor is None else \
-            _real(tensor_or_list, tensor, *args, **kwargs)
-    setattr(dist, name, spy)
-
-def least_squares(backend, compression, steps=150):
-    torch.manual_seed(1)
-    model = mpilab.DataParallel(nn.Linear(D, O), backend=backend, compression=compression)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    records.clear()
-    wire.clear()
-    for _ in range(steps):
-        opt.zero_grad()
-        ((model(X[mine]) - Y[mine]) ** 2).sum(1).mean().backward()
-        opt.step()
-    logs = [f["values"] for k, f in records if k == "log"]
-    with torch.no_grad():
-        loss = ((model(X) - Y) ** 2).sum(1).mean().item()
-    return {"loss": loss, "spread": spread(model), "traffic": traffic(), "wire": sum(wire),
-            "reported": sum(v["bytes_sent"] for v in logs),
-            "steps": sum(1 for k, _ in records if k == "step"),
-            "ratio": logs[-1]["compression_ratio"] if logs else None}
-
-out = {}
-for backend in ("mpi", "torch"):
-    for name, compression in [("dense", None), ("powersgd", "powersgd"),
-                              ("topk", mpilab.TopK(ratio=0.05))]:
-        out[f"{backend}-{name}"] = least_squares(backend, compression)
-out["errors"] = [
-    error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), compression="zip")),
-    error_of(lambda: mpilab.DataParallel(nn.Linear(2, 2), compression=mpilab.TopK(ratio=2))),
-]
-report_all(out)
-"""
+from rank_scenarios import run_scenario
 
 
 @pytest.fixture(scope="module")
 def compression() -> list[dict]:
-    return run_ranks(_COMPRESSION, timeout=240)[0]
+    return run_scenario("compression")[0]
 
 
 @pytest.fixture(scope="module")
 def strategies() -> list[dict]:
-    return run_ranks(_STRATEGIES, timeout=240)[0]
+    return run_scenario("strategies")[0]
 
 
 def test_local_sgd_period_1_is_data_parallel_with_plain_sgd(strategies):
