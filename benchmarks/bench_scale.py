@@ -26,7 +26,8 @@ Per size, over the steady part of the run (after --warmup s):
   times;
 - latency: a logged loss's time on the rank to its filing in the store, and to the
   dashboard redraw that took it (median, p95; both include the rank's wait for its next
-  send moment, up to 0.25 s);
+  send moment, up to 0.25 s, and how late the simulated ranks' messages left, which the
+  senders report: on a busy machine they are late too);
 - watchdog: wall time of one Watchdog.check on the kernel's main thread (median, p95,
   max; it includes waits for the GIL, which the receiver thread holds while it files
   records and redraws) and its thread's CPU time (median, p95);
@@ -201,6 +202,8 @@ def sender(address: str, world: int, index: int, senders: int, duration: float,
     step, next_step_t = 0, start
     next_beat = 0.0
     dropped = 0
+    late = []  # per send moment: how long after it this sender's last message left
+    moment = None
     while time.time() < start + duration:
         now = time.time()
         while next_step_t <= now:  # the steps every rank ended since the last send
@@ -238,7 +241,10 @@ def sender(address: str, world: int, index: int, senders: int, duration: float,
                     socks[r].send(message, zmq.NOBLOCK)
                 except zmq.Again:
                     dropped += 1
-        time.sleep(max(0.0, next_send_time(time.time()) - time.time()))
+        if moment is not None:
+            late.append(time.time() - moment)
+        moment = next_send_time(time.time())
+        time.sleep(max(0.0, moment - time.time()))
     end = time.time()
     for r in ranks:
         agents[r].state.phase = "idle"
@@ -247,7 +253,9 @@ def sender(address: str, world: int, index: int, senders: int, duration: float,
             socks[r].send(message)
     for sock in socks.values():
         sock.close()
-    print(json.dumps({"sender": index, "ranks": len(ranks), "dropped": dropped}))
+    late.sort()
+    print(json.dumps({"sender": index, "ranks": len(ranks), "dropped": dropped,
+                      "late": [late[len(late) // 2], late[int(0.95 * len(late))]]}))
 
 
 # -- the measurement ----------------------------------------------------------------------
@@ -334,7 +342,10 @@ def main() -> None:
               f"{got['ranks_seen']} ranks seen, {lat[2]:,} latency samples, "
               f"{chk[3]} checks, {got['lines']} output lines, {got['redraws']} dashboard "
               f"redraws in all, longest LiveViews.tick {got['first_display']:.1f} s, senders "
-              f"{got['sender_cpu']:.2f} cores, sends dropped "
+              f"{got['sender_cpu']:.2f} cores, sends late median / p95 "
+              f"{max(s['late'][0] for s in got['senders']):.3f} / "
+              f"{max(s['late'][1] for s in got['senders']):.3f} s (the slowest sender's), "
+              f"sends dropped "
               f"{sum(s['dropped'] for s in got['senders'])}, verdicts {got['verdicts']})",
               flush=True)
     if args.json:

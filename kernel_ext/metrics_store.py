@@ -128,6 +128,9 @@ class MetricsStore:
         filed = 0
         for kind, of_kind in blocks.items():
             rows, spans = check_blocks(kind, [record["data"] for record in of_kind])
+            stamped = np.empty((len(rows), rows.shape[1] + 1))  # the rows, then when filed
+            stamped[:, :-1] = rows
+            stamped[:, -1] = now
             tables = self._tables.setdefault(kind, {})
             for record, span in zip(of_kind, spans):
                 if span is None:
@@ -138,7 +141,7 @@ class MetricsStore:
                 table = tables.get(key)
                 if table is None:
                     table = self._table(kind, *key)
-                table.append(rows[span], now)
+                table.put(stamped[span])
                 self.received += span.stop - span.start  # a row counts as a record
                 last_seen[rank] = monotonic_now
                 filed += 1

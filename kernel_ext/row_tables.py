@@ -56,6 +56,14 @@ class RowTable:
         return self.budget.limit
 
     def append(self, rows: np.ndarray, now: float) -> None:
+        """Add rows filed at `now`."""
+        filed = np.empty((len(rows), self.data.shape[1]))
+        filed[:, :-1] = rows
+        filed[:, -1] = now
+        self.put(filed)
+
+    def put(self, rows: np.ndarray) -> None:
+        """Add rows that end with their filing time (the store makes a round's at once)."""
         limit = self.budget.limit
         if len(rows) > limit:  # more than is kept: the newest `limit` replace all
             self.dropped += self.n + len(rows) - limit
@@ -79,8 +87,7 @@ class RowTable:
                               self.data.shape[1]))
             grown[:self.n] = self.data[:self.n]
             self.data = grown
-        self.data[self.n:end, :-1] = rows
-        self.data[self.n:end, -1] = now
+        self.data[self.n:end] = rows
         self.n = end
 
     @property
