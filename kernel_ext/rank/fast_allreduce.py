@@ -8,7 +8,7 @@ communicator:
   unavailable. Not for tiny messages on one node: MPI's blocking Allreduce takes ~5 µs
   at 4 KiB there, but it cannot be interrupted, and the interruptible Iallreduce takes
   ~55 µs (MPICH's schedule-based non-blocking path), against ~4 µs for the shm path
-  (2 ranks, this 2-core VM);
+  (2 ranks on one 2-core host);
 - ``shm``: every rank of the communicator is on one node: the shared-memory engine
   (`mpilab.rank.shm`) reduces in place at close to memory bandwidth;
 - ``hierarchical``: several nodes, some with several ranks: reduce within each node
