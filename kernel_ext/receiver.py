@@ -16,8 +16,10 @@ from .wire import MAX_MESSAGE_BYTES
 # one round until the socket has been quiet this long, and a round ends after at most:
 ROUND_QUIET_S = 0.01
 ROUND_MAX_S = 0.05
-# messages filed together (MetricsStore.add_messages): their blocks are checked at once
+# messages filed together (MetricsStore.add_messages), their blocks checked at once: at
+# most this many, and as many as make DRAIN_BYTES (a round's end waits for no more)
 DRAIN_MESSAGES = 512
+DRAIN_BYTES = 256 * 1024
 
 
 class RecordReceiver:
@@ -42,25 +44,34 @@ class RecordReceiver:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
+            # a round ends when the socket has been quiet ROUND_QUIET_S, or at the
+            # latest after ROUND_MAX_S even if records keep coming (a thousand ranks
+            # whose sends spread out keep the socket busy): the listeners hear of it
             round_ends = time.monotonic() + ROUND_MAX_S
-            self._drain()
+            self._drain(round_ends)
             while time.monotonic() < round_ends and poller.poll(1e3 * ROUND_QUIET_S):
-                self._drain()
+                self._drain(round_ends)
             self.store.notify()
 
-    def _drain(self) -> None:
-        """File what the socket holds now, DRAIN_MESSAGES messages at a time."""
+    def _drain(self, until: float) -> None:
+        """File what the socket holds, DRAIN_MESSAGES or DRAIN_BYTES at a time, until it
+        is empty or the round's time is up."""
         recv, again = self._sock.recv, zmq.Again
         while True:
             raws = []
+            size = 0
             try:
-                while len(raws) < DRAIN_MESSAGES:
-                    raws.append(recv(zmq.NOBLOCK))
+                while len(raws) < DRAIN_MESSAGES and size < DRAIN_BYTES:
+                    raw = recv(zmq.NOBLOCK)
+                    raws.append(raw)
+                    size += len(raw)
             except again:
-                pass
+                emptied = True
+            else:
+                emptied = False
             if raws:
                 self.store.add_messages(raws)
-            if len(raws) < DRAIN_MESSAGES:
+            if emptied or time.monotonic() >= until:
                 return
 
     def close(self) -> None:

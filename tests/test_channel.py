@@ -549,3 +549,25 @@ def test_receiver_files_more_messages_than_it_drains_at_once():
     finally:
         push.close(linger=0)
         receiver.close()
+
+
+def test_a_round_ends_while_records_keep_coming():
+    """A thousand ranks whose sends spread out keep the socket busy: the receiver still
+    tells its listeners (the dashboard) every ROUND_MAX_S or so, not once it is empty."""
+    store = MetricsStore(world_size=2)
+    rounds = []
+    store.subscribe(lambda: rounds.append(time.monotonic()))
+    receiver = RecordReceiver(store)
+    push = zmq.Context.instance().socket(zmq.PUSH)
+    # messages of 100 events: sent faster than they are filed
+    (message,) = encode(0, [with_(GOOD["event"], what=str(n)) for n in range(BATCH_RECORDS)])
+    try:
+        push.connect(receiver.address)
+        started = time.monotonic()
+        while time.monotonic() < started + 1.5:
+            push.send(message)
+        busy = store.received
+        assert len(rounds) >= 5, f"{len(rounds)} rounds while {busy:,} events were filed"
+    finally:
+        push.close(linger=0)
+        receiver.close()
