@@ -409,7 +409,8 @@ def test_log_only_cell_plots_scalars_against_their_count_in_one_panel():
     layout = fig.layout
     assert "without training steps" in layout.xaxis3.title.text
     assert list(layout.xaxis3.domain) == [0, 1] and layout.height < 640
-    for axis in ("xaxis", "yaxis", "xaxis2", "yaxis2", "xaxis4", "yaxis4", "yaxis5"):
+    for axis in ("xaxis", "yaxis", "xaxis2", "yaxis2", "xaxis4", "yaxis4", "yaxis5",
+                 "yaxis6"):
         assert layout[axis].visible is False, axis
     shown_titles = [a.text for a in layout.annotations if a.visible is not False]
     assert shown_titles == ["Loss and logged scalars"]

@@ -320,6 +320,10 @@ def _arrange(figure: dict, panels: tuple[str, ...], world_size: int, comm_axis: 
         titles[PANELS.index(panel)]["visible"] = False
     if "scalars" in hidden or not comm_axis:
         layout["yaxis5"]["visible"] = False
+    if "throughput" in hidden:
+        layout["yaxis6"]["visible"] = False
+    if not row and "scalars" in panels:  # the loss panel's title sits where it would be
+        layout["xaxis"].pop("title", None)
     hidden_axes = {_PANEL_AXES[p][0].replace("axis", "") for p in hidden}  # "x", "x2"
     for trace in figure["data"]:  # the throughput traces carry the ranks' legend entries
         if trace.get("xaxis", "x") in hidden_axes:
@@ -579,8 +583,11 @@ class Dashboard:
             for trace in self._rank_lines(legend=col == 1):
                 fig.add_trace(trace, row=row, col=col)
             if col == 1:
+                # the total on an axis of its own (right): on the ranks' axis it is
+                # world_size times higher, and flattens their lines (or band) at the bottom
                 fig.add_trace(go.Scatter(name="total", legendgroup="total", mode="lines",
-                                         line={"color": "black", "dash": "dot"}), row=1, col=1)
+                                         line={"color": "black", "dash": "dot"}, yaxis="y6",
+                                         xaxis="x"))
                 # numeric x with rank labels: a view created after restyles
                 # (update_display) draws bars without their x, i.e. at 0..n-1, which
                 # then is still right
@@ -605,7 +612,9 @@ class Dashboard:
         # trade-off) span other magnitudes than a loss: their own log axis, on the right
         fig.update_layout(yaxis5={"overlaying": "y3", "side": "right", "type": "log",
                                   "anchor": "x3", "showgrid": False,
-                                  "title": {"text": "bytes / ratio"}})
+                                  "title": {"text": "bytes / ratio"}},
+                          yaxis6={"overlaying": "y", "side": "right", "anchor": "x",
+                                  "showgrid": False, "rangemode": "tozero"})
         bars = self._bar_labels()
         fig.update_xaxes(tickvals=list(range(len(bars))), ticktext=bars, row=1, col=2)
         return fig
