@@ -67,11 +67,15 @@ class Plan:
     node_comm: object
     leaders: object | None  # node leaders' communicator; None on non-leaders/single-node
     multi_node: bool
+    # the communicator MPI reduces over: on the mpi path a duplicate of the plan's own
+    # (its point-to-point messages never meet a caller's), on the hierarchical one the
+    # leaders' (None on a rank that takes part through shared memory only)
+    between: object | None
 
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
         self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
-        size = self.leaders.Get_size() if self.leaders is not None else 0
+        size = self.between.Get_size() if self.between is not None else 0
         # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
         self.exchange = size > 1 and size & (size - 1) == 0
         self._scratch = np.empty(0, dtype=np.uint8)
@@ -85,6 +89,8 @@ class Plan:
     def close(self) -> None:
         if self.node is not None:
             self.node.close()
+        if self.between is not None and self.between is not self.leaders:
+            self.between.Free()
         for c in (self.leaders, self.node_comm):
             if c is not None:
                 c.Free()
@@ -156,7 +162,8 @@ def _make_plan(comm) -> Plan:
         leaders = comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, comm.Get_rank())
         if leaders == MPI.COMM_NULL:
             leaders = None
-    return Plan(shared, node, node_comm, leaders, nodes > 1)
+    between = leaders if shared else comm.Dup()
+    return Plan(shared, node, node_comm, leaders, nodes > 1, between)
 
 
 def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False) -> None:
@@ -168,6 +175,15 @@ def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False
         _drive(request)
     else:
         wait_interruptibly(request)
+
+
+def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
+    """The MPI step: over plan.between, by pairwise exchange up to EXCHANGE_MAX_BYTES
+    (a power-of-two count of ranks), else MPI's Iallreduce."""
+    if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
+        _exchange_allreduce(flat, op, plan)
+    else:
+        _mpi_allreduce(flat, op, plan.between, between_nodes=plan.multi_node)
 
 
 def _drive(request) -> None:
@@ -194,7 +210,7 @@ def _exchange_allreduce(flat: np.ndarray, op: str, plan: Plan) -> None:
     whole buffer with leader rank ^ 2**k and combines. Both partners combine the same
     two operands (IEEE addition, max and min are commutative), so every leader ends
     with the same bits."""
-    comm = plan.leaders
+    comm = plan.between
     me, size = comm.Get_rank(), comm.Get_size()
     incoming = plan.scratch(flat)
     combine = UFUNCS[op]
@@ -229,7 +245,7 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
     if path == "shm":
         plan.node.allreduce(flat, op)
     elif path == "mpi":
-        _mpi_allreduce(flat, op, comm)
+        _between(flat, op, plan)
     else:
         _hierarchical(flat, op, plan)
 
@@ -244,7 +260,7 @@ def reducer(comm) -> Callable[[np.ndarray, str], None]:
     if plan.path == "shm":
         return plan.node.allreduce
     if plan.path == "mpi":
-        return lambda flat, op: _mpi_allreduce(flat, op, comm)
+        return lambda flat, op: _between(flat, op, plan)
     return lambda flat, op: _hierarchical(flat, op, plan)
 
 
@@ -254,9 +270,6 @@ def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
     if plan.node is not None:
         plan.node.allreduce(flat, op, to_root_only=True)
     if plan.leaders is not None:
-        if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
-            _exchange_allreduce(flat, op, plan)
-        else:
-            _mpi_allreduce(flat, op, plan.leaders, between_nodes=True)
+        _between(flat, op, plan)
     if plan.node is not None:
         plan.node.broadcast(flat, root=0)
