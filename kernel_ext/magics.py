@@ -10,9 +10,10 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from .cell import RunOptions
 from .cluster import ClusterConfig, ClusterError
 from .placement import SlurmSettings
-from .runner import RunOptions, parse_ranks
+from .selection import parse_ranks
 from .session import Session
 from .wire import DEFAULT_COLLECTIVE_TIMEOUT_S
 

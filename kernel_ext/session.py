@@ -8,8 +8,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from .cell import RunOptions
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
-from .runner import CellRunner, RunOptions, parse_ranks, rank_label
+from .runner import CellRunner
+from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
