@@ -75,7 +75,7 @@ def test_fusion_plans_by_the_same_rule():
 
 
 def test_data_parallel_picks_ddp_over_nccl_for_gpu_models_only():
-    choose = data_parallel.choose_backend
+    choose = data_parallel.choose_path
     assert choose("auto", {"cuda"}, NCCL) == "torch"
     assert choose("auto", {"cpu"}, {"cpu": "gloo"}) == "mpi"
     assert choose("auto", {"cuda"}, GLOO) == "mpi"  # GPUs shared over gloo

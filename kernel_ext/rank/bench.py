@@ -36,7 +36,7 @@ from .context import context
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
-OPS = ("allreduce", "broadcast", "allgather")
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
 BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -115,8 +115,8 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     """
     from mpi4py import MPI
 
-    if op not in OPS:
-        raise ValueError(f"bench op {op!r} is not one of {', '.join(OPS)}")
+    if op not in COLLECTIVES:
+        raise ValueError(f"bench op {op!r} is not one of {', '.join(COLLECTIVES)}")
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
         raise ValueError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")

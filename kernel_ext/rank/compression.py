@@ -41,8 +41,9 @@ _NAMES = ("fp16", "bf16", "powersgd", "topk")
 @dataclass(frozen=True)
 class PowerSGD:
     """PowerSGD settings: approximation `rank`; the first `dense_steps` steps send plain
-    gradients (torch's ``start_powerSGD_iter``; at least 2, which torch's error feedback
-    needs); matrices that would shrink less than `min_compression_rate` go uncompressed."""
+    gradients (at least 2: DDP settles its buckets after the first step, and each
+    bucket's error feedback starts from a plain step); matrices that would shrink less
+    than `min_compression_rate` go uncompressed."""
 
     rank: int = 2
     dense_steps: int = 2

@@ -23,9 +23,12 @@ CUDA events).
 Buckets are started strictly in index order and travel on one thread and one private
 communicator, so every rank issues the same collectives in the same order.
 
-``backend="torch"`` is torch's DistributedDataParallel with torch's own comm hooks wrapped
-by a timing hook, which also makes the end of backward wait (by polling) until the
-gradients are averaged: on NCCL, DDP would otherwise leave that wait to the next host
+``backend="torch"`` is torch's DistributedDataParallel with one comm hook of mpilab's
+(``_TimedHook``) around a way of reducing a bucket: torch's own hooks for plain, fp16
+and bf16 gradients (``_WholeBuckets``), mpilab's compressors for PowerSGD and top-k
+(``compression.CompressedBuckets``). Each says what a bucket sends; the hook counts and
+times it, and makes the end of backward wait (by polling) until the gradients are
+averaged: on NCCL, DDP would otherwise leave that wait to the next host
 sync, a blocking call no signal gets into. After recovery makes the torch.distributed
 group again, the next forward makes the DDP wrapper again on it.
 
@@ -80,7 +83,7 @@ class DataParallelConfig:
             raise ValueError(f"bucket_mb must be positive, got {self.bucket_mb}")
 
 
-def choose_backend(requested: str, device_types: set[str],
+def choose_path(requested: str, device_types: set[str],
                    backends: dict[str, str]) -> str:
     """DataParallel's path, "mpi" or "torch", for a model on `device_types` whose ranks'
     group runs `backends` (torch_group.group_backends). auto: DDP where the model sits
@@ -200,7 +203,7 @@ class _CommThread:
             bucket.done.set()
             with self._count_lock:
                 self._outstanding -= 1
-        while self.busy:
+        while self.busy:  # its bucket fails fast: the abort is still set (no poll here)
             time.sleep(0.001)
         self.comm = collectives.private_comm("data_parallel")  # renewed by recovery
 
@@ -639,7 +642,7 @@ class DataParallel(ModelWrapper):
             self._clock.meter = TrafficMeter(collectives.tensor_bytes(
                 [p for p in model.parameters() if p.requires_grad]))
         check_same_parameters(model)
-        self.backend = choose_backend(self.config.backend,
+        self.backend = choose_path(self.config.backend,
                                       {p.device.type for p in model.parameters()},
                                       torch_group.group_backends())
         waiting.watch_interrupts()  # the stop button reaches a wait on autograd's thread

@@ -56,8 +56,7 @@ CACHE_LINE = 64
 BROADCAST_PIECE_BYTES = 256 << 10
 # 2 MiB per slot: large enough that Python's per-chunk overhead (a few µs) is small
 # beside the copy, small enough that both slots of every rank stay in the last-level
-# cache. On this 2-core VM (2 MiB L2, 32 MiB L3), 2 ranks: 0.25 MiB chunks halve the
-# bandwidth at 64 MiB, 1–4 MiB are level within the run-to-run spread, 8 MiB lose again.
+# cache (much smaller chunks lose bandwidth to that overhead, larger ones to the cache).
 DEFAULT_CHUNK_BYTES = 2 << 20
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -75,11 +74,10 @@ def signature(kind: str, nbytes: int, root: int = 0) -> int:
 FENCES = platform.machine().lower() not in ("x86_64", "amd64")
 
 _HOT_SPINS = 256  # ~10 µs of pure polling: the partner usually arrives within that
-# then yield the core (3 ranks on 2 cores must not starve) for up to 5 ms before
+# then yield the core (more ranks than cores must not starve) for up to 5 ms before
 # sleeping: a rank that sleeps wakes up to ~1 ms late, and its peer waits for it at the
 # next barrier. DataParallel's ranks reach the end-of-step allreduce a few ms apart
-# (their steps vary); yielding for 5 ms rather than 1 gave 0-1.7% faster CNN steps
-# (2 ranks, same processes, interleaved blocks, three runs)
+# (their steps vary), so the yielding covers that gap.
 _YIELD_S = 0.005
 _MAX_SLEEP_S = 0.001
 

@@ -1,8 +1,9 @@
 """Interruptible waiting, abort and recovery for mpilab's collectives.
 
 A blocking MPI call cannot be interrupted: Python's signal handlers only run between
-bytecodes. So every wait in mpilab polls (a non-blocking request, a torch async work,
-a shared-memory flag, a CUDA event) with short sleeps, which lets two things land within
+bytecodes. So every wait in mpilab goes through here and polls (a non-blocking request,
+a torch async work, a shared-memory flag, a CUDA event: ``poll``; another thread's
+event: ``wait_event``) with short sleeps, which lets two things land within
 milliseconds: KeyboardInterrupt on the main thread (the notebook's stop button), and
 `abort()`, which makes every wait on every thread of this rank raise
 CollectiveAborted (a rank whose peer failed must not wait for it forever).

@@ -1,11 +1,11 @@
 """Warm a rank up before its first cell: what torch loads lazily the first time a
 training loop runs, loaded while the ranks start instead.
 
-Measured on the CI machine (2 ranks, CPU), the README's 100-step cell took 3.1 s the
-first time and 0.24 s after: creating the first optimizer imports `torch._dynamo` (about
-800 modules, sympy among them: 1.5-2.5 s on a busy core), and the first forward,
-backward and optimizer step of a process set up autograd's engine and the kernels'
-dispatch. A tiny local step here pays for all of that once.
+Why: a first training cell pays for what torch sets up lazily (the README's 100-step
+cell on 2 CPU ranks: 3.1 s the first time, 0.24 s after). Creating the first optimizer
+imports `torch._dynamo` (about 800 modules, sympy among them: seconds on a busy core),
+and the first forward, backward and optimizer step of a process set up autograd's
+engine and the kernels' dispatch. A tiny local step here pays for all of that once.
 
 The warm-up is local to the rank: no collective, no record to the notebook (it must not
 appear on the dashboard or move the collective counters the watchdog reads), so it
