@@ -16,6 +16,10 @@ from .wire import MAX_MESSAGE_BYTES
 # one round until the socket has been quiet this long, and a round ends after at most:
 ROUND_QUIET_S = 0.01
 ROUND_MAX_S = 0.05
+# While the receiver is behind (a round ends with records still waiting) the listeners
+# hear of rounds at most this often: the dashboard redraws on this thread, and records
+# must be filed before a redraw can show them.
+BEHIND_NOTIFY_S = 1.0
 # messages filed together (MetricsStore.add_messages), their blocks checked at once: at
 # most this many, and as many as make DRAIN_BYTES (a round's end waits for no more)
 DRAIN_MESSAGES = 512
@@ -41,6 +45,7 @@ class RecordReceiver:
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
+        notified = 0.0
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
@@ -48,14 +53,17 @@ class RecordReceiver:
             # latest after ROUND_MAX_S even if records keep coming (a thousand ranks
             # whose sends spread out keep the socket busy): the listeners hear of it
             round_ends = time.monotonic() + ROUND_MAX_S
-            self._drain(round_ends)
+            emptied = self._drain(round_ends)
             while time.monotonic() < round_ends and poller.poll(1e3 * ROUND_QUIET_S):
-                self._drain(round_ends)
-            self.store.notify()
+                emptied = self._drain(round_ends)
+            now = time.monotonic()
+            if emptied or now - notified >= BEHIND_NOTIFY_S:
+                notified = now
+                self.store.notify()
 
-    def _drain(self, until: float) -> None:
+    def _drain(self, until: float) -> bool:
         """File what the socket holds, DRAIN_MESSAGES or DRAIN_BYTES at a time, until it
-        is empty or the round's time is up."""
+        is empty (True) or the round's time is up."""
         recv, again = self._sock.recv, zmq.Again
         while True:
             raws = []
@@ -72,7 +80,7 @@ class RecordReceiver:
             if raws:
                 self.store.add_messages(raws)
             if emptied or time.monotonic() >= until:
-                return
+                return emptied
 
     def close(self) -> None:
         self._stop.set()
