@@ -1,0 +1,130 @@
+"""The per-tensor plans of CPU tensors on the ranks: a tensor reduced again and again
+keeps its plan and follows its changes; broadcast and allgather over shared memory at
+every size and dtype; allgather into a buffer; the spans and heartbeats the notebook
+gets; a released wait in a planned broadcast, and recovery."""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from typing import Any
+
+import mpilab
+import numpy as np
+import torch
+from mpilab.rank import agent as agent_mod
+from mpilab.rank import collectives, waiting
+from mpilab.rank.fast_allreduce import plan_for
+
+
+def main(ctx: Any, report: Any) -> None:
+    out: dict[str, Any] = {}
+    r, n = ctx.rank, ctx.world_size
+    out["path"] = plan_for(collectives.private_comm()).path
+    # spans and heartbeats as the notebook gets them: an agent with an address, not started
+    probe = agent_mod.Agent(r, n, "tcp://127.0.0.1:9")
+    agent_mod._agent = probe
+
+    # one tensor reduced again and again: values change, the plan is kept
+    t = torch.zeros(5)
+    sums = []
+    for i in range(4):
+        t.fill_(r + i)
+        sums.append(mpilab.allreduce(t).tolist())
+    out["loop"] = sums
+    out["planned"] = collectives.tensor_plan(t) is collectives.tensor_plan(t)
+    # the tensor changes under its plan: new storage, new shape, new dtype
+    t.data = torch.full((3,), float(r + 1))
+    out["new_storage"] = mpilab.allreduce(t, op="mean").tolist()
+    t.resize_(2, 2).fill_(r)
+    out["resized"] = mpilab.allreduce(t, op="max").tolist()
+    t.data = torch.full((2,), r + 1, dtype=torch.int64)
+    out["new_dtype"] = mpilab.allreduce(t, op="mean").tolist()
+    view = torch.arange(10.0)[2:6] + r  # a view with an offset into its storage
+    out["view"] = mpilab.allreduce(view).tolist()
+    # gone with its tensor
+    before = len(collectives._plans)
+    mpilab.allreduce(torch.ones(7))
+    gc.collect()
+    out["dropped"] = len(collectives._plans) == before
+
+    # broadcast and allgather: small, several chunks (odd sizes), every kind of dtype
+    def pattern(count, dtype, rank):
+        values = (torch.arange(count, dtype=torch.int64) * 7 + rank * 13) % 120
+        return values.to(dtype)
+
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64):
+        for count in (1, 3, 1000, (5 << 20) // 4 + 3):
+            for root in range(n):
+                x = pattern(count, dtype, r)
+                mpilab.broadcast(x, root=root)
+                if not torch.equal(x, pattern(count, dtype, root)):
+                    bad.append(f"broadcast {dtype} {count} root {root}")
+            g = mpilab.allgather(pattern(count, dtype, r))
+            want = torch.stack([pattern(count, dtype, q) for q in range(n)])
+            if g.shape != want.shape or g.dtype != dtype or not torch.equal(g, want):
+                bad.append(f"allgather {dtype} {count}")
+    out["bad"] = bad
+    out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
+    # into a buffer: reused, returned; a transposed one is filled too; a wrong one is named
+    buf = torch.zeros(n, 3)
+    firsts = [mpilab.allgather(torch.full((3,), float(r + i)), out=buf) is buf for i in range(2)]
+    out["out"] = [firsts, buf[:, 0].tolist()]
+    side = torch.zeros(3, n).t()
+    mpilab.allgather(torch.full((3,), float(r)), out=side)
+    out["out_strided"] = side[:, 0].tolist()
+    try:
+        mpilab.allgather(torch.ones(3), out=torch.zeros(n, 4))
+    except ValueError as e:
+        out["out_error"] = str(e)
+
+    # what the notebook receives: numbered spans with bytes, and a heartbeat's shape text
+    probe._queue.clear()
+    seq0 = probe.state.seq
+    m = torch.ones(2, 3)
+    mpilab.allreduce(m)
+    mpilab.broadcast(m)
+    mpilab.allgather(m)
+    spans = [(rec["labels"], list(np.frombuffer(rec["data"]).reshape(-1, 5)[:, 3:]))
+             for rec in agent_mod.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
+    out["spans"] = [[labels, [[int(v) for v in row] for row in rows]] for labels, rows in spans]
+    out["seq"] = probe.state.seq - seq0
+    seen = []
+    def sample(stop):
+        while not stop.is_set():
+            hb = probe.heartbeat()
+            if hb["phase"] == "collective":
+                seen.append([hb["op"], hb["op_shape"], hb["op_nbytes"]])
+                return
+    stop = threading.Event()
+    sampler = threading.Thread(target=sample, args=(stop,))
+    sampler.start()
+    if r == 1:
+        time.sleep(0.3)  # rank 0 waits in its allreduce meanwhile
+    mpilab.allreduce(torch.ones(4, 1, 2))
+    stop.set()
+    sampler.join()
+    out["heartbeat"] = seen
+
+    # a released wait in a planned broadcast (a receiver's: a root waits for nobody); recovery
+    # gives the tensor a new plan
+    x = torch.zeros(1000)
+    mpilab.broadcast(x)
+    ctx.comm.Barrier()
+    outcome = None
+    if r == 1:
+        threading.Timer(0.3, waiting.abort, ("peer failed",)).start()
+        try:
+            mpilab.broadcast(x)
+        except waiting.CollectiveAborted as e:
+            outcome = str(e)
+    else:
+        time.sleep(0.6)
+        waiting.abort("peer failed")
+    waiting.recover()
+    x.fill_(r + 5)
+    out["aborted"] = outcome
+    out["after_recovery"] = mpilab.broadcast(x, root=1).tolist()[:2]
+    report(out)
