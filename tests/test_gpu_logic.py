@@ -5,7 +5,8 @@ GPU placement, and the prepared GPU check itself.
 On a CUDA model autograd runs gradient hooks and its final callbacks on a device thread
 while the main thread sits in C++ ``backward()``. On CPU it runs them on the main
 thread, so the rank tests here move autograd onto another thread the same way (the main
-thread waits in C++ on a torch future, where no Python signal handler runs) and check
+thread waits in C++ on a torch future, where no Python signal handler runs: the
+rank-side scenarios tests/rank_scenarios/off_main.py and renew_group.py) and check
 that DataParallel's waits there are numbered, shown in heartbeats, and released by
 SIGINT as the notebook sends it.
 """
@@ -25,7 +26,7 @@ import pytest
 import torch
 from mpilab.rank import bootstrap, collectives, data_parallel, torch_group, waiting
 from mpilab.rank.agent import Agent
-from mpirun import run_ranks
+from rank_scenarios import run_scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -236,131 +237,11 @@ def test_sigint_releases_a_wait_while_the_main_thread_is_in_backward(monkeypatch
 
 
 # --------------------------------------------------------- real ranks, autograd moved
-_GATHER = """
-def report_all(obj):
-    everyone = ctx.comm.gather(obj, root=0)
-    if ctx.rank == 0:
-        report(everyone)
-"""
-
-# An aborted gloo group keeps a receive its peer never matched until the group's
-# timeout (gloo cannot cancel it), and the Python callback of its future (DDP's own
-# hooks have one) must not run while the interpreter finalizes: these jobs end at once.
-_END = """
-import os as _os
-ctx.comm.Barrier()
-_os._exit(0)
-"""
-
-_OFF_MAIN = """
-import os, signal, threading, time
-import torch
-from torch import nn
-import torch.distributed as dist
-from mpilab.rank import agent, collectives, torch_group, waiting
-
-real = torch.autograd.graph._engine_run_backward
-
-def _engine_run_backward(*args, **kwargs):
-    # autograd on another thread, as CUDA's device thread; the main thread waits in
-    # C++ (a torch future), where no Python signal handler runs
-    fut = torch.futures.Future()
-    def device_thread():
-        try:
-            fut.set_result(real(*args, **kwargs))
-        except BaseException as e:  # noqa: BLE001 - handed to the main thread
-            fut.set_exception(e)
-    threading.Thread(target=device_thread, name="autograd-device").start()
-    return fut.wait()
-
-torch.autograd._engine_run_backward = _engine_run_backward
-
-handled = {}
-def engine_handler(signum, frame):  # what mpilab.rank.engine installs for a cell
-    handled.setdefault("aborted_before", waiting.aborted())
-    waiting.abort(waiting.INTERRUPTED)
-    raise KeyboardInterrupt
-signal.signal(signal.SIGINT, engine_handler)
-pids = ctx.comm.allgather(os.getpid())
-
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-dp = mpilab.DataParallel(model, backend=BACKEND, bucket_mb=0.001)
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x = torch.randn(8, 16, generator=torch.Generator().manual_seed(ctx.rank))
-
-beats = []
-def sample(stop):
-    while not stop.is_set():
-        hb = agent.current().heartbeat()
-        if hb["phase"] == "collective" and hb["op"] in ("dp_allreduce", "ddp_allreduce"):
-            beats.append([hb["op"], hb["seq"], hb["where"]])
-        time.sleep(0.001)
-
-def step(delay=0.0):
-    opt.zero_grad()
-    loss = dp(x).pow(2).mean()
-    time.sleep(delay)  # a slower peer: rank 0 waits for it at the end of backward
-    loss.backward()
-    opt.step()
-
-threads = set()
-real_collective = waiting.collective
-def spy(op, *a, **k):
-    if waiting.acting_for_main() and threading.current_thread() is not threading.main_thread():
-        threads.add(threading.current_thread().name)
-    return real_collective(op, *a, **k)
-waiting.collective = spy
-
-seq0 = agent.current().state.seq
-stop = threading.Event()
-sampler = threading.Thread(target=sample, args=(stop,))
-sampler.start()
-for _ in range(3):
-    step(0.05 if ctx.rank == 1 else 0.0)
-stop.set(); sampler.join()
-seq_per_step = (agent.current().state.seq - seq0) / 3
-
-outcome, release_s = "not released", None
-if ctx.rank == 0:  # waits at the end of backward for a peer that never comes
-    try:
-        try:
-            step()
-        finally:
-            time.sleep(0.05)  # the pending Python handler runs here at the latest
-    except BaseException as e:  # noqa: BLE001 - CollectiveAborted or KeyboardInterrupt
-        outcome = type(e).__name__
-        release_s = time.time() - float(open(SIGNAL_FILE).read())
-else:  # gets through DDP's forward, then fails; the notebook sends SIGINT to rank 0
-    dp(x)
-    time.sleep(0.5)
-    with open(SIGNAL_FILE, "w") as f:
-        f.write(repr(time.time()))
-    os.kill(pids[0], signal.SIGINT)
-ctx.comm.Barrier()
-old_group = dist.group.WORLD
-waiting.recover()
-step(); step()
-flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-everyone = ctx.comm.allgather(flat.tolist())
-report_all({
-    "seq_per_step": seq_per_step, "beats": beats[:3], "threads": sorted(threads),
-    "outcome": outcome, "release_s": release_s, "handled": handled,
-    "watch_interrupts": waiting.interrupts_seen(), "backend": dp.backend,
-    "same_params": everyone[0] == everyone[1],
-    "generation": torch_group.torch_group_generation(),
-    "new_group": dist.group.WORLD is not old_group,
-})
-END_WITHOUT_FINALIZING
-"""
-
-
 @pytest.mark.parametrize("backend", ["mpi", "torch"])
 def test_waits_of_autograd_on_another_thread_are_numbered_and_released(backend, tmp_path):
-    code = _OFF_MAIN.replace("BACKEND", repr(backend)).replace(
-        "SIGNAL_FILE", repr(str(tmp_path / "signal-sent")))
-    got = run_ranks(_GATHER + code.replace("END_WITHOUT_FINALIZING", _END), n=2,
-                    timeout=180)[0]
+    got = run_scenario("off_main", timeout=180,
+                       args={"backend": backend,
+                             "signal_file": str(tmp_path / "signal-sent")})[0]
     r0 = got[0]
     assert r0["backend"] == backend
     assert r0["threads"] == ["autograd-device"]  # the waits ran on the moved thread
@@ -369,7 +250,7 @@ def test_waits_of_autograd_on_another_thread_are_numbered_and_released(backend, 
     # (here the stand-in's wait: it is the innermost frame outside torch and mpilab)
     assert r0["seq_per_step"] == got[1]["seq_per_step"] >= 1
     assert r0["beats"] and all(b[0] == op and b[1] > 0 for b in r0["beats"]), r0["beats"]
-    assert all(b[2].startswith("cell line ") for b in r0["beats"]), r0["beats"]
+    assert all(b[2].startswith("off_main.py line ") for b in r0["beats"]), r0["beats"]
     # the SIGINT released the wait while the main thread sat in C++ backward; the
     # Python handler (the engine's) ran only afterwards
     assert r0["outcome"] in ("CollectiveAborted", "KeyboardInterrupt")
@@ -386,68 +267,8 @@ def test_waits_of_autograd_on_another_thread_are_numbered_and_released(backend, 
 
 
 # ------------------------------------------------------------ the recovery sequence
-_RENEW = """
-import torch, time
-import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
-from mpilab.rank import collectives, torch_group, torchrun, waiting
-
-def total(value):
-    t = torch.tensor([float(value)])
-    dist.all_reduce(t)
-    return t.item()
-
-out = {"timeout_before": torch_group.group_timeout().total_seconds()}
-# gloo, nothing abandoned: recovery keeps the group
-first = dist.group.WORLD
-waiting.abort("test"); waiting.recover()
-out["kept_when_clean"] = dist.group.WORLD is first
-
-# a wait given up on rank 0 (a peer never joined): every rank makes a new group
-if ctx.rank == 0:
-    stuck = torch.ones(2)
-    import threading
-    threading.Timer(0.3, waiting.abort, args=("peer failed",)).start()
-    try:
-        collectives.allreduce(stuck, backend="torch")
-    except waiting.CollectiveAborted as e:
-        out["abandoned"] = str(e)
-ctx.comm.Barrier()
-waiting.recover()
-out["renewed"] = dist.group.WORLD is not first
-out["generation"] = torch_group.torch_group_generation()
-out["sum_after"] = total(ctx.rank + 1)
-out["timeout_after"] = torch_group.group_timeout().total_seconds()
-# torchrun.py's shared group follows: the user's destroy_process_group keeps it
-shared = torchrun.shared_groups()
-out["adopted"] = shared is not None and shared.mpilab_pg is dist.group.WORLD
-dist.destroy_process_group()
-out["kept_by_destroy"] = dist.is_initialized() and total(1) == ctx.world_size
-
-# an NCCL group is made again after every abort, abandoned or not
-second = dist.group.WORLD
-torch_group.group_backends = lambda: {"cuda": "nccl"}
-waiting.abort("test"); waiting.recover()
-out["nccl_rule_renewed"] = dist.group.WORLD is not second
-out["generation_nccl"] = torch_group.torch_group_generation()
-
-# a group torch cannot abort: recovery fails, and the notebook restarts the ranks
-def cannot(group=None):
-    raise RuntimeError("abort is not supported by this backend")
-c10d._abort_process_group = cannot
-waiting.abort("test")
-try:
-    waiting.recover()
-except torch_group.RecoveryError as e:
-    out["cannot"] = str(e)
-report_all(out)
-END_WITHOUT_FINALIZING
-"""
-
-
 def test_recovery_aborts_and_remakes_the_torch_group_on_every_rank():
-    got = run_ranks(_GATHER + _RENEW.replace("END_WITHOUT_FINALIZING", _END), n=2,
-                    timeout=180)[0]
+    got = run_scenario("renew_group", timeout=180)[0]
     for out in got:
         assert out["kept_when_clean"]
         assert out["renewed"] and out["generation"] == 1
