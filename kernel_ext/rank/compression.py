@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import collectives, waiting
+from . import collectives, reduction, waiting
 from .accounting import traffic  # noqa: F401 - mpilab.traffic's entry in kernel_ext/__init__.py
 
 _NAMES = ("fp16", "bf16", "powersgd", "topk")
@@ -184,7 +184,8 @@ class TopKCompressor:
         all_index = collectives.allgather(index32, backend=self.backend)
         world = all_values.shape[0]
         dense = torch.zeros_like(flat)
-        dense.index_add_(0, all_index.view(-1).long(), all_values.view(-1)).div_(world)
+        dense.index_add_(0, all_index.view(-1).long(), all_values.view(-1))
+        reduction.divide_for_mean(dense, world)
         offset = 0
         for g in grads:
             g.copy_(dense[offset:offset + g.numel()].view_as(g))
@@ -259,6 +260,11 @@ class CompressedBuckets:
     def __init__(self, method: Method):
         self.method = method
         self.compressors: dict[int, PowerSGDCompressor | TopKCompressor] = {}
+        waiting.on_recover(self.reset)
+
+    def reset(self) -> None:
+        """Every bucket's compression from its warm-up (see CompressedGradSync.reset)."""
+        self.compressors.clear()
 
     def __call__(self, bucket: Any) -> tuple[torch.futures.Future, int]:
         buffer = bucket.buffer()

@@ -13,8 +13,8 @@ and Horovod: parameters are grouped into buckets in reverse order (the order bac
 produces their gradients); a post-accumulate-grad hook copies each gradient, divided
 by the number of ranks, into its bucket's flat buffer and points ``param.grad`` at that
 slot, so later accumulation happens in place. A full bucket is handed at once to one
-background communication thread that allreduces it (``allreduce_inplace`` on a
-zero-copy NumPy view), so communication overlaps the rest of backward. A callback
+background communication thread that allreduces it (``reduction.allreduce_host`` on
+the bucket's host buffer), so communication overlaps the rest of backward. A callback
 queued on the autograd engine waits for every bucket at the end of backward, so
 gradients are averaged before any optimizer step. A model on a GPU is staged through
 pinned host memory (the copies are queued without blocking and waited for by polling

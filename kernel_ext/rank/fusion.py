@@ -35,8 +35,8 @@ def grouped_allreduce(
     """Allreduce every tensor in place with few collectives; returns the tensors.
 
     op: sum | mean | max | min (mean of integer tensors rounds down, like `//`).
-    backend: "mpi" (allreduce_inplace on host buffers: the shared-memory path on one
-    node; GPU tensors are packed into pinned memory), "torch" (torch.distributed.all_reduce
+    backend: "mpi" (reduction.allreduce_host on host buffers: the shared-memory path on
+    one node; GPU tensors are packed into pinned memory), "torch" (reduction.allreduce_torch
     on the fused buffer: NCCL on GPUs, gloo on CPUs), or "auto" (torch for GPU tensors
     where the ranks' group runs NCCL on them, mpi otherwise: torch_group.auto_transport).
     comm: the MPI communicator of the mpi backend (default: the bootstrap's COMM_WORLD).
