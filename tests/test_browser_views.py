@@ -4,6 +4,12 @@ is on screen and shows a killed rank dead within the watchdog's bound; the dashb
 command finds the latest run with metrics after a cell without any; a cell that only
 logs scalars gets one panel, its values against their count.
 
+Then the views at scale, on simulated ranks (records made by the ranks' own encoder, in
+one kernel): 64 ranks drawn as a band with smoothed lines, compact and expandable; a
+plot in a slow browser saying how many steps it is behind, and nothing once current;
+the status of 64 ranks as a summary with the full table a click away; the per-rank
+output of 256 ranks with a selector and a filter.
+
 Every wait is on a condition in the page (never a fixed sleep): the machine may be busy.
 Screenshots go to build/views_*.png.
 """
@@ -241,7 +247,7 @@ def test_per_rank_view_with_four_ranks_live_and_a_failing_rank_marked(page, lab)
 # ranks' own encoder (mpilab.rank.agent: `encode`, `Agent.heartbeat`) and filed as the
 # record receiver files them (MetricsStore.add_raw, then notify: a round of records).
 SIM_SETUP = '''
-import threading, time
+import os, threading, time
 import numpy as np
 from IPython.display import display
 from mpilab.channel import MetricsStore
@@ -271,9 +277,12 @@ def feed(store, ranks, first, count):
             assert store.add_raw(message)
     store.notify()
 
-def feeding(store, ranks, rounds, per_round, every_s):
-    """A thread that sends `rounds` rounds of `per_round` steps from every rank."""
+def feeding(store, ranks, rounds, per_round, every_s, start=None):
+    """A thread that sends `rounds` rounds of `per_round` steps from every rank (once the
+    file `start` exists, if given: the test saw the plot drawn)."""
     def run():
+        while start and not os.path.exists(start):
+            time.sleep(0.05)
         for i in range(rounds):
             feed(store, ranks, i * per_round, per_round)
             time.sleep(every_s)
@@ -294,7 +303,8 @@ store8 = MetricsStore(world_size=8)
 dash8 = Dashboard(store8, 8, source="8 simulated ranks")
 feed(store8, 8, 0, 20)
 display(dash8.mimebundle(), raw=True)
-feeder8 = feeding(store8, 8, rounds=300, per_round=20, every_s=0.05)  # 15 s, 400 steps/s
+feeder8 = feeding(store8, 8, rounds=120, per_round=20, every_s=0.05,  # 6 s+, 400 steps/s
+                  start="behind.go")
 '''
 
 SIM_STATUS = '''
@@ -405,15 +415,19 @@ def test_64_ranks_drawn_as_a_band_smoothed_compact_and_expandable(sim_page):
 
 
 def test_a_plot_that_lags_the_data_says_how_many_steps_behind_and_nothing_once_current(
-        sim_page):
+        sim_page, lab):
     page = sim_page
+    go = lab.root / "behind.go"
+    go.unlink(missing_ok=True)
+    run_cell(page, 2)
+    wait_cell_done(page, 2)
+    cell(page, 2).locator(".js-plotly-plot").first.wait_for(timeout=60_000)
     # a browser 20 times slower (software painting on a busy machine): the drawing falls
     # behind 400 steps a second of data
     cdp = page.context.new_cdp_session(page)
     cdp.send("Emulation.setCPUThrottlingRate", {"rate": 20})
+    go.touch()
     try:
-        run_cell(page, 2)
-        cell(page, 2).locator(".js-plotly-plot").first.wait_for(timeout=60_000)
         page.wait_for_function(
             """i => /^[0-9]+ steps? behind$/.test(document.querySelectorAll(
                  '.jp-Notebook .jp-Cell')[i].querySelector('.mpilab-plot-behind')
@@ -425,7 +439,7 @@ def test_a_plot_that_lags_the_data_says_how_many_steps_behind_and_nothing_once_c
         shot(page, "views_behind", 2)
     finally:
         cdp.send("Emulation.setCPUThrottlingRate", {"rate": 1})
-    # the feeding ends (15 s of rounds): the plot catches up and says nothing
+    # the feeding ends (120 rounds, 6 s or more): the plot catches up and says nothing
     page.wait_for_function(
         """i => { const b = document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
                     .querySelector('.mpilab-plot-behind');
