@@ -27,6 +27,13 @@ still shows the run about once a second, where waiting ten times as long had lef
 still for 3.7 s after a 0.37-s redraw, past the end of the cell it watched. A view out of
 sight draws nothing until it is back: a long run in a collapsed output or a background
 tab costs the browser no drawing.
+
+What the views add to the data, so that it never travels: a trace whose `meta` names
+another (`smooth_of`) is drawn as that trace's moving average (plotting.ema, the same
+in Python for `to_figure` and static figures). A line above the plot carries the
+kernel's `notes` (the slowest ranks), says "N steps behind" when the drawing has lagged
+the newest `step` sent for BEHIND_AFTER_S, and holds the button that switches a compact
+figure to its `layout.meta.expanded_height` and back (per view, kept across redraws).
 """
 
 from __future__ import annotations
