@@ -170,13 +170,13 @@ def part_ranks(out: str, cfg: SpeedConfig, gloo_shared: bool) -> None:
 
 
 def _check_bootstrap(torch, ctx, ready_s: float) -> tuple[str, str]:
-    from mpilab.rank import collectives
+    from mpilab.rank import bootstrap
 
     dev = ctx.device
     if dev.type != "cuda":
         return "FAIL", f"rank {ctx.rank} is on {dev}, not a GPU"
     visible = list(range(torch.cuda.device_count()))
-    want = collectives.gpu_for_rank(ctx.local_rank, visible)
+    want = bootstrap.gpu_for_rank(ctx.local_rank, visible)
     everyone = ctx.comm.allgather((ctx.host, ctx.local_rank, dev.index,
                                    _gpu_identity(torch, dev)))
     on_node = [u for h, _, _, u in sorted(everyone, key=lambda e: (e[0], e[1]))
@@ -186,7 +186,7 @@ def _check_bootstrap(torch, ctx, ready_s: float) -> tuple[str, str]:
         problems.append(f"node-local rank {ctx.local_rank} took GPU {dev.index}, not {want}")
     if ctx.backend != "nccl":
         problems.append(f"backend {ctx.backend}, not nccl")
-    line = collectives.placement_error(on_node, ctx.backend, ctx.host)
+    line = bootstrap.placement_error(on_node, ctx.backend, ctx.host)
     if line:
         problems.append(line)
     if problems:
@@ -236,10 +236,10 @@ def _collective_failures(torch, ctx, backend: str) -> list[str]:
 
 
 def _check_allreduce(torch, ctx) -> tuple[str, str]:
-    from mpilab.rank import collectives
+    from mpilab.rank import torch_group
 
     probe = torch.zeros(1, device=ctx.device)
-    chosen = collectives.resolve_backend("auto", probe)
+    chosen = torch_group.resolve_transport("auto", probe)
     failures = []
     if chosen != "torch":
         failures.append(f"auto chose {chosen} for a GPU tensor, not NCCL")
@@ -422,19 +422,19 @@ def _check_checkpoint(torch, ctx, directory: str) -> tuple[str, str]:
 def _check_shared(torch, ctx) -> tuple[str, str]:
     """Two ranks on one GPU over gloo: GPU tensors go over mpilab's staged MPI path."""
     import mpilab
-    from mpilab.rank import collectives
+    from mpilab.rank import bootstrap, torch_group
 
     dev = ctx.device
     if dev.type != "cuda":
         return "FAIL", f"rank {ctx.rank} is on {dev}, not a GPU"
     ids = ctx.comm.allgather(_gpu_identity(torch, dev))
     problems = []
-    if collectives.placement_error(ids, ctx.backend) is not None:
+    if bootstrap.placement_error(ids, ctx.backend) is not None:
         problems.append("placement refused sharing over gloo")
-    nccl_line = collectives.placement_error(ids, "nccl", ctx.host)
+    nccl_line = bootstrap.placement_error(ids, "nccl", ctx.host)
     if nccl_line is None:
         problems.append("two ranks on one GPU under NCCL were not refused")
-    chosen = collectives.resolve_backend("auto", torch.zeros(1, device=dev))
+    chosen = torch_group.resolve_transport("auto", torch.zeros(1, device=dev))
     if chosen != "mpi":
         problems.append(f"auto chose {chosen} for a GPU tensor of a gloo group")
     problems += _collective_failures(torch, ctx, "auto")
@@ -554,7 +554,7 @@ for step in range(STEPS):
         raise ValueError('bad batch on rank 1')
     loss = model(torch.randn(64, 256, device=device)).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
-print('trained', mpilab.rank.collectives.torch_group_generation())
+print('trained', mpilab.rank.torch_group.torch_group_generation())
 """
 
 
@@ -587,7 +587,7 @@ def check_failure(ranks: int, timeout: float) -> Row:
         released_s = took
         ok, text, took = run("%%ranks\nx = torch.ones(2, device=device)\n"
                              "mpilab.allreduce(x)\nprint(x.tolist(), kept, "
-                             "mpilab.rank.collectives.torch_group_generation())", 60)
+                             "mpilab.rank.torch_group.torch_group_generation())", 60)
         # each rank kept its `kept`, and its NCCL group was made again (generation ≥ 1)
         for r in range(2):
             if not ok or not re.search(rf"\[rank {r}\] \[2\.0, 2\.0\] {10 * r} [1-9]", text):

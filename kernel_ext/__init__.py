@@ -31,7 +31,7 @@ _RANK_API = {
     "EASGD": ".rank.strategies",
     "PowerSGD": ".rank.compression",
     "TopK": ".rank.compression",
-    "traffic": ".rank.compression",
+    "traffic": ".rank.accounting",
     "ScaledLR": ".rank.large_batch",
     "LARS": ".rank.large_batch",
 }

@@ -33,7 +33,6 @@ import torch
 from torch import nn
 
 from . import collectives, reduction, waiting
-from .accounting import traffic  # noqa: F401 - mpilab.traffic's entry in kernel_ext/__init__.py
 
 _NAMES = ("fp16", "bf16", "powersgd", "topk")
 
