@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import lifeline, placement
-from .channel import MetricsStore, RecordReceiver
+from .metrics_store import MetricsStore
 from .placement import ClusterError
-from .rank.bootstrap import BootstrapError, gpu_spec
-from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports
+from .receiver import RecordReceiver
+from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports, gpu_spec
 
 LAUNCHERS = ("mpi", "slurm")
 
@@ -68,7 +68,7 @@ class ClusterConfig:
             placement.check_local_ip(self.controller_ip)
         try:
             gpu_spec(self.gpus)
-        except BootstrapError as e:
+        except ValueError as e:
             raise ClusterError(str(e)) from None
 
 

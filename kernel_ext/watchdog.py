@@ -120,6 +120,10 @@ class Watchdog:
         self._procs = {}
         self._next_process_check = 0.0
         self._info = {i["rank"]: i for i in cluster.ranks}
+        # the collectives compared at the last check: (heartbeats, events) filed by then,
+        # and what the comparison found; compared again only once either count moves
+        self._compared: tuple[int, int] | None = None
+        self._mismatch: str | None = None
         for info in cluster.ranks:
             if info["rank"] in ranks and info["host"] == self.local_host:
                 try:
@@ -193,8 +197,12 @@ class Watchdog:
         heartbeats = dict(store.heartbeats) if store else {}
         self._numbers = self.cell.numbers(store) if store else {}
         waiting = {r: heartbeats.get(r) for r in running}
-        mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
-                                  if r in self._ranks and self._this_cell(hb)})
+        seen = (store.beats, store.events) if store else None
+        if seen is None or seen != self._compared:
+            self._compared = seen
+            self._mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
+                                            if r in self._ranks and self._this_cell(hb)})
+        mismatch = self._mismatch
         if mismatch:
             return Verdict("mismatch", [mismatch], release=running)
         failed = [r for r, how in finished.items() if how == "error"]

@@ -209,6 +209,25 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 # -- `mpilab bench`: rank 0's measurements, one line that the command reads ----------------
 BENCH_RESULT_PREFIX = "mpilab-bench-result "  # then {"rows": [...], "ceiling": GB/s} as JSON
 
+# -- the ranks' GPUs ---------------------------------------------------------------------------
+def gpu_spec(gpus: str | None) -> list[int] | None:
+    """`--gpus` as the ranks read it: `auto` → None (whatever the node has), `none` → [],
+    `0,2` → [0, 2]. The notebook checks it before the ranks start, so a typo is one
+    line rather than a failed start. Raises ValueError saying what is wrong."""
+    spec = (gpus or "auto").strip().lower()
+    if spec == "auto":
+        return None
+    if spec == "none":
+        return []
+    try:
+        chosen = [int(x) for x in spec.split(",") if x.strip()]
+    except ValueError:
+        chosen = []
+    if not chosen or any(g < 0 for g in chosen):
+        raise ValueError(f"--gpus {gpus!r} is not auto, none or a list like 0,1")
+    return chosen
+
+
 # -- the supervisor's report ------------------------------------------------------------------
 REPORT_PREFIX = "mpilab-engine-exit"
 _REPORT = re.compile(re.escape(REPORT_PREFIX) + r" host=(?P<host>\S+) pid=(?P<pid>\d+|-) "

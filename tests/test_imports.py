@@ -18,9 +18,12 @@ ROOT = Path(__file__).resolve().parent.parent
 # import name -> folder, as pyproject.toml's package-dir maps them
 PACKAGES = {"mpilab": ROOT / "kernel_ext", "mpilab.rank": ROOT / "kernel_ext" / "rank",
             "mpilab.widgets": ROOT / "widgets"}
+# the modules both sides share: what crosses between them (the records' schema and
+# reports) and the lifeline's two ends (the kernel listens, each rank's supervisor holds)
+SHARED = {"mpilab.wire", "mpilab.lifeline"}
 # what the ranks may import of the package besides mpilab.rank: the package itself (its
-# names resolve lazily), its lazy-name helper, and the schema both sides share
-RANK_MAY_IMPORT = {"mpilab", "mpilab._lazy", "mpilab.wire", "mpilab.rank"}
+# names resolve lazily), its lazy-name helper, and the shared modules
+RANK_MAY_IMPORT = {"mpilab", "mpilab._lazy", "mpilab.rank", *SHARED}
 
 
 def _modules() -> dict[str, Path]:
@@ -138,6 +141,12 @@ def test_rank_code_names_nothing_of_the_notebook_side():
     wrong = {module: sorted(t for t in targets if not _rank_may(t))
              for module, targets in graph.items() if _is_rank(module)}
     assert not {m: t for m, t in wrong.items() if t}
+
+
+def test_shared_modules_import_nothing_of_either_side():
+    graph = import_graph()
+    assert {module: sorted(graph[module]) for module in SHARED} == \
+        {module: [] for module in SHARED}
 
 
 def _is_rank(module: str) -> bool:

@@ -14,7 +14,7 @@ import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
-from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S
+from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, gpu_spec
 from . import agent as agent_mod
 from .context import BootstrapError, RankContext, context, is_initialized, set_context
 from .endpoint import Endpoint, shared_endpoint
@@ -25,26 +25,12 @@ __all__ = ["BootstrapError", "RankContext", "context", "init", "is_initialized",
 StartHook = Callable[[RankContext], None]
 
 
-def gpu_spec(gpus: str | None) -> list[int] | None:
-    """`auto` → None (whatever the node has), `none` → [], `0,2` → [0, 2]; checked before
-    the ranks start, so a typo is one line rather than a failed start."""
-    spec = (gpus or "auto").strip().lower()
-    if spec == "auto":
-        return None
-    if spec == "none":
-        return []
-    try:
-        chosen = [int(x) for x in spec.split(",") if x.strip()]
-    except ValueError:
-        chosen = []
-    if not chosen or any(g < 0 for g in chosen):
-        raise BootstrapError(f"--gpus {gpus!r} is not auto, none or a list like 0,1")
-    return chosen
-
-
 def parse_gpus(gpus: str | None, available: int) -> list[int]:
-    """The GPUs of this node that `gpus` (see gpu_spec) names."""
-    chosen = gpu_spec(gpus)
+    """The GPUs of this node that `gpus` (see mpilab.wire.gpu_spec) names."""
+    try:
+        chosen = gpu_spec(gpus)
+    except ValueError as e:
+        raise BootstrapError(str(e)) from None
     if chosen is None:
         return list(range(available))
     bad = [g for g in chosen if g >= available]
