@@ -269,7 +269,7 @@ def cmd_bench(args) -> int:
         mpiexec = find_mpiexec(args.mpiexec)
     except ClusterError as e:
         return _fail(str(e))
-    from .rank.bench import parse_backends, parse_sizes
+    from .wire import parse_backends, parse_sizes
 
     if args.n < 1:
         return _fail(f"-n must be a positive number of ranks, got {args.n}")

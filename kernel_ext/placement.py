@@ -17,7 +17,7 @@ import subprocess
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from .rank.endpoint import route_source
+from .endpoint import route_source
 
 LOOPBACK = "127.0.0.1"
 SLURM_QUERY_S = 15.0

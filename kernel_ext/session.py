@@ -13,6 +13,7 @@ from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
 from .runner import CellRunner
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
+from .wire import BENCH_BACKENDS, parse_backends, parse_sizes
 
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
 WARM_WIDGETS_WAIT_S = 10.0  # at most this long after the ranks are ready
@@ -309,16 +310,15 @@ def _warm_widgets(world_size: int):
 def bench_arguments(sizes: str, backends: str) -> tuple[list[int], list[str]]:
     """--sizes and --backends as lists, checked before anything is shown or measured (the
     ranks check them too); a mistake is one line."""
-    from .rank.bench import BACKENDS, parse_backends, parse_sizes
-
     try:
         sizes_list = parse_sizes(sizes)
     except ValueError as e:
         raise ClusterError(str(e)) from None
     backend_list = parse_backends(backends)
-    unknown = [b for b in backend_list if b not in BACKENDS]
+    unknown = [b for b in backend_list if b not in BENCH_BACKENDS]
     if unknown:
-        raise ClusterError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")
+        raise ClusterError(f"bench backend {unknown[0]!r} is not one of "
+                           f"{', '.join(BENCH_BACKENDS)}")
     return sizes_list, backend_list
 
 

@@ -208,6 +208,36 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
 # -- `mpilab bench`: rank 0's measurements, one line that the command reads ----------------
 BENCH_RESULT_PREFIX = "mpilab-bench-result "  # then {"rows": [...], "ceiling": GB/s} as JSON
+BENCH_BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_sizes(spec: str) -> list[int]:
+    """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]. K/M/G are binary."""
+
+    def one(text: str) -> int:
+        m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
+        if not m or int(m.group(1)) == 0:
+            raise ValueError(f"--sizes {spec!r}: {text.strip()!r} is not a size like 4K, 16M, 1G")
+        return int(m.group(1)) * _UNITS[m.group(2)]
+
+    parts = spec.split(":")
+    if len(parts) > 2:
+        raise ValueError(f"--sizes {spec!r}: use START:END like 4K:64M, or one size")
+    start, end = one(parts[0]), one(parts[-1])
+    if start > end:
+        raise ValueError(f"--sizes {spec!r}: the start is larger than the end")
+    sizes = [start]
+    while sizes[-1] * 2 <= end:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
+def parse_backends(spec: str) -> list[str]:
+    """'mpi, gloo' → ['mpi', 'gloo'] (names are checked by run_bench)."""
+    return [b.strip() for b in spec.split(",") if b.strip()]
+
+
 
 # -- the ranks' GPUs ---------------------------------------------------------------------------
 def gpu_spec(gpus: str | None) -> list[int] | None:

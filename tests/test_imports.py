@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"mpilab": ROOT / "kernel_ext", "mpilab.rank": ROOT / "kernel_ext" / "rank",
             "mpilab.widgets": ROOT / "widgets"}
 # the modules both sides share: what crosses between them (the records' schema and
-# reports) and the lifeline's two ends (the kernel listens, each rank's supervisor holds)
-SHARED = {"mpilab.wire", "mpilab.lifeline"}
+# reports), the lifeline's two ends (the kernel listens, each rank's supervisor holds)
+# and the choice of the network address to listen on
+SHARED = {"mpilab.wire", "mpilab.lifeline", "mpilab.endpoint"}
 # what the ranks may import of the package besides mpilab.rank: the package itself (its
 # names resolve lazily), its lazy-name helper, and the shared modules
 RANK_MAY_IMPORT = {"mpilab", "mpilab._lazy", "mpilab.rank", *SHARED}

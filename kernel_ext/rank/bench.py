@@ -25,21 +25,20 @@ so the memory bus carries at least twice the figure.
 from __future__ import annotations
 
 import itertools
-import re
 import statistics
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from ..wire import BENCH_BACKENDS as BACKENDS
+from ..wire import parse_backends, parse_sizes  # noqa: F401 - the bench's names
 from .context import context
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
 COLLECTIVES = ("allreduce", "broadcast", "allgather")
-BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
-_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _WARMUP = 2
 # Each timed repetition runs back-to-back collectives moving about this many bytes (at
 # most _MAX_ITERS of them), as nccl-tests times a loop of iterations: a single 4 KiB
@@ -48,32 +47,6 @@ _WARMUP = 2
 # backend that ran before it.
 _TIMED_BYTES = 32 << 20
 _MAX_ITERS = 100
-
-
-def parse_sizes(spec: str) -> list[int]:
-    """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]. K/M/G are binary."""
-
-    def one(text: str) -> int:
-        m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
-        if not m or int(m.group(1)) == 0:
-            raise ValueError(f"--sizes {spec!r}: {text.strip()!r} is not a size like 4K, 16M, 1G")
-        return int(m.group(1)) * _UNITS[m.group(2)]
-
-    parts = spec.split(":")
-    if len(parts) > 2:
-        raise ValueError(f"--sizes {spec!r}: use START:END like 4K:64M, or one size")
-    start, end = one(parts[0]), one(parts[-1])
-    if start > end:
-        raise ValueError(f"--sizes {spec!r}: the start is larger than the end")
-    sizes = [start]
-    while sizes[-1] * 2 <= end:
-        sizes.append(sizes[-1] * 2)
-    return sizes
-
-
-def parse_backends(spec: str) -> list[str]:
-    """'mpi, gloo' → ['mpi', 'gloo'] (names are checked by run_bench)."""
-    return [b.strip() for b in spec.split(",") if b.strip()]
 
 
 def bus_factor(op: str, n: int) -> float:

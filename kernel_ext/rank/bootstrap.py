@@ -14,10 +14,10 @@ import socket
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
+from ..endpoint import Endpoint, shared_endpoint
 from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, gpu_spec
 from . import agent as agent_mod
 from .context import BootstrapError, RankContext, context, is_initialized, set_context
-from .endpoint import Endpoint, shared_endpoint
 
 __all__ = ["BootstrapError", "RankContext", "context", "init", "is_initialized",
            "gpu_spec", "parse_gpus", "choose_backend", "gpu_for_rank", "placement_error"]

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .endpoint import Endpoint
+from ..endpoint import Endpoint
 
 
 class BootstrapError(RuntimeError):

@@ -80,7 +80,7 @@ def mpi_net_devices(notebook_address: str | None) -> str | None:
     devices stay usable. None: leave MPI's choice (no notebook, or the user chose)."""
     if "UCX_NET_DEVICES" in os.environ or not notebook_address:
         return None
-    from mpilab.rank.endpoint import interface_of, route_source
+    from mpilab.endpoint import interface_of, route_source
 
     ip = notebook_address.rsplit(":", 1)[0]
     if ip.startswith("127."):

@@ -1,5 +1,7 @@
 """Where a rank listens for its peers: the address and interface of the network the
-ranks share. Light to import: the engine's supervisor uses it before the engine starts."""
+ranks share. Both sides use it: the notebook to choose where its controller and record
+channel listen, the ranks to choose where they listen for each other. Standard library
+only, light to import: the engine's supervisor uses it before the engine starts."""
 
 from __future__ import annotations
 
