@@ -72,6 +72,13 @@ class ClusterConfig:
             raise ClusterError(str(e)) from None
 
 
+# The controller finishes an engine's registration at its first heartbeat ping after the
+# engine registered, and pings every 3 s by default: an engine a moment late (its rank
+# imports torch while it registers) waited up to 3 s more. Pings every second; an engine
+# is still given up after 30 s of silence, as by default.
+HEARTBEAT_ARGS = ("--HeartMonitor.period=1000", "--HeartMonitor.max_heartmonitor_misses=30")
+
+
 def find_mpiexec(explicit: str | None = None) -> str:
     """--mpiexec, then $MPILAB_MPIEXEC, then beside this Python, then PATH."""
     candidates = [
@@ -186,6 +193,7 @@ class RankCluster:
             # no cluster file: ipyparallel's JupyterLab panel lists clusters from those,
             # and its STOP button would end the ranks behind mpilab's back
             cluster_file="",
+            controller_args=list(HEARTBEAT_ARGS),
         )
         # the controller and every engine hold this kernel's lifeline and end themselves
         # when it is gone (killed, crashed, unreachable), on whichever host they run
