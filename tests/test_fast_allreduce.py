@@ -140,7 +140,8 @@ from mpilab.rank import fast_allreduce as fa
 
 comm, n, r = ctx.comm, ctx.world_size, ctx.rank
 plan = fa.plan_for(comm)
-out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None}
+out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None,
+       "spread": plan.peers is not None}
 failures, digests = [], []
 for count in (1, 3, 1000, fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1):
     for op in ("sum", "max", "min"):
@@ -159,14 +160,18 @@ report_in_turn(out)
 """
 
 
-@pytest.mark.parametrize(("n", "exchange"), [(7, True), (5, False)])
-def test_leaders_exchange_or_iallreduce_by_leader_count(n, exchange):
-    # nodes of 2 emulated ranks: 7 ranks give 4 leaders (pairwise exchange up to
-    # EXCHANGE_MAX_BYTES), 5 ranks give 3 (not a power of two: Iallreduce)
+@pytest.mark.parametrize(("n", "exchange", "spread"),
+                         [(4, True, True), (7, True, False), (5, False, False)])
+def test_between_nodes_by_node_count_and_fill(n, exchange, spread):
+    # nodes of 2 emulated ranks. 4 ranks: 2 full nodes, so small messages go from every
+    # rank to its peer on the other node; 7 ranks: 4 leaders (one node holds 1 rank), so
+    # the leaders exchange up to EXCHANGE_MAX_BYTES; 5 ranks: 3 leaders, not a power of
+    # two: MPI's Iallreduce
     results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
     leaders = [res for res in results if res["exchange"] is not None]
     assert len(leaders) == (n + 1) // 2
     assert all(res["exchange"] is exchange for res in leaders)
+    assert all(res["spread"] is spread for res in results)
     assert all(res["path"] == "hierarchical" and res["failures"] == [] and res["identical"]
                for res in results)
 

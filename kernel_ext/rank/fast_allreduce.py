@@ -71,6 +71,10 @@ class Plan:
     # (its point-to-point messages never meet a caller's), on the hierarchical one the
     # leaders' (None on a rank that takes part through shared memory only)
     between: object | None
+    # where every node holds as many ranks and the node count is a power of two: the
+    # ranks with this rank's node rank, one per node (small messages: each node's ranks
+    # all hold the node's sum, then exchange it with their peers on the other nodes)
+    peers: object | None = None
 
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
@@ -91,7 +95,7 @@ class Plan:
             self.node.close()
         if self.between is not None and self.between is not self.leaders:
             self.between.Free()
-        for c in (self.leaders, self.node_comm):
+        for c in (self.peers, self.leaders, self.node_comm):
             if c is not None:
                 c.Free()
 
@@ -162,8 +166,13 @@ def _make_plan(comm) -> Plan:
         leaders = comm.Split(0 if node_rank == 0 else MPI.UNDEFINED, comm.Get_rank())
         if leaders == MPI.COMM_NULL:
             leaders = None
+    peers = None
+    if shared and nodes > 1 and nodes & (nodes - 1) == 0 and \
+            comm.allreduce(node_comm.Get_size(), op=MPI.MIN) == \
+            comm.allreduce(node_comm.Get_size(), op=MPI.MAX):
+        peers = comm.Split(node_rank, comm.Get_rank())
     between = leaders if shared else comm.Dup()
-    return Plan(shared, node, node_comm, leaders, nodes > 1, between)
+    return Plan(shared, node, node_comm, leaders, nodes > 1, between, peers)
 
 
 def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False) -> None:
@@ -181,7 +190,7 @@ def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
     """The MPI step: over plan.between, by pairwise exchange up to EXCHANGE_MAX_BYTES
     (a power-of-two count of ranks), else MPI's Iallreduce."""
     if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
-        _exchange_allreduce(flat, op, plan)
+        _exchange_allreduce(flat, op, plan.between, plan)
     else:
         _mpi_allreduce(flat, op, plan.between, between_nodes=plan.multi_node)
 
@@ -205,12 +214,11 @@ def _drive_all(requests: list) -> None:
         os.sched_yield()
 
 
-def _exchange_allreduce(flat: np.ndarray, op: str, plan: Plan) -> None:
-    """Allreduce among the leaders by recursive doubling: at step k each leader swaps its
-    whole buffer with leader rank ^ 2**k and combines. Both partners combine the same
-    two operands (IEEE addition, max and min are commutative), so every leader ends
-    with the same bits."""
-    comm = plan.between
+def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
+    """Allreduce over `comm` (a power-of-two count of ranks) by recursive doubling: at
+    step k each rank swaps its whole buffer with rank ^ 2**k and combines. Both partners
+    combine the same two operands (IEEE addition, max and min are commutative), so every
+    rank ends with the same bits."""
     me, size = comm.Get_rank(), comm.Get_size()
     incoming = plan.scratch(flat)
     combine = UFUNCS[op]
@@ -266,7 +274,13 @@ def reducer(comm) -> Callable[[np.ndarray, str], None]:
 
 def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
     """Within each node through shared memory, among the node leaders over MPI, and
-    back within each node."""
+    back within each node; a small message on evenly filled nodes is reduced within each
+    node onto all its ranks, then exchanged by every rank with its peers on the other
+    nodes (no broadcast back, and every rank's link carries a share)."""
+    if plan.peers is not None and flat.nbytes <= EXCHANGE_MAX_BYTES:
+        plan.node.allreduce(flat, op)
+        _exchange_allreduce(flat, op, plan.peers, plan)
+        return
     if plan.node is not None:
         plan.node.allreduce(flat, op, to_root_only=True)
     if plan.leaders is not None:
