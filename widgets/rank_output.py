@@ -12,8 +12,9 @@ saved notebook opened without the widget shows a one-line summary instead
 Each tick sends only the output that arrived since the last one (a custom message,
 numbered): at 256 ranks the whole text of every rank in each update would grow with the
 run. The widget's state holds every rank's text as of a numbered update, rewritten at
-most every SNAPSHOT_EVERY_S and at the end, so that a view opening at any moment (a
-second display, a page reload) starts from it and applies the newer updates. The
+most every SNAPSHOT_EVERY_S and at the end; the page keeps each widget's texts from when
+its model is made (before a view has loaded) and applies the newer updates, and a page
+reloaded starts again from the state. The
 browser filters and selects by itself: while the cell runs the kernel does not read
 the view's messages.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 
 import anywidget
 import traitlets
@@ -35,17 +37,53 @@ BUTTONS_UP_TO = 16  # ranks with a button each; past this, a selector and a filt
 MAX_FAILED_BUTTONS = 16  # failing ranks with a button of their own past BUTTONS_UP_TO
 
 _RANK_OUTPUT_JS = r"""
+// Every rank's text as this page knows it, per widget (its `key`): the state's, then the
+// updates after it. Kept from when the widget's model is made (initialize), before any
+// view: an update that arrives while the first view is still loading is not lost.
+const KNOWN = new Map();
+
+const known = (model) => {
+  const key = model.get("key");
+  let k = KNOWN.get(key);
+  if (!k) {
+    k = { texts: {}, seq: -1, views: new Set() };
+    KNOWN.set(key, k);
+  }
+  return k;
+};
+
 export default {
+  initialize({ model }) {
+    const k = known(model);
+    const fromState = () => {
+      if (model.get("seq") < k.seq) return;
+      k.texts = { ...model.get("texts") };
+      k.seq = model.get("seq");
+      k.views.forEach((draw) => draw(null));
+    };
+    // the kernel's numbered updates: the output each rank printed since the last one
+    const onUpdate = (msg) => {
+      if (!msg || msg.seq === undefined || msg.seq <= k.seq) return;
+      k.seq = msg.seq;
+      for (const [r, text] of Object.entries(msg.append || {})) {
+        const all = (k.texts[r] || "") + text;
+        k.texts[r] = all.length > MAX_CHARS ? all.slice(all.length - MAX_CHARS) : all;
+      }
+      k.views.forEach((draw) => draw(msg.append || {}));
+    };
+    fromState();
+    model.on("msg:custom", onUpdate);
+    model.on("change:texts", fromState);
+    return () => {
+      model.off("msg:custom", onUpdate);
+      model.off("change:texts", fromState);
+      KNOWN.delete(model.get("key"));
+    };
+  },
   render({ model, el }) {
     let selected = null;  // null: the merged view below is the one to read
     let filter = "";
-    // every rank's text as this view knows it: the state's, then the updates after it
-    let texts = {}, seq = -1;
-    const fromState = () => {
-      texts = { ...model.get("texts") };
-      seq = model.get("seq");
-    };
-    fromState();
+    const k = known(model);
     const bar = document.createElement("div");
     bar.className = "mpilab-rank-tabs";
     bar.style.cssText = "font:12px monospace;display:flex;flex-wrap:wrap;gap:4px;" +
@@ -88,7 +126,7 @@ export default {
     const mark = (r, failed) => (failed.has(r) ? `rank ${r} \u2717` : `rank ${r}`);
     const drawSelector = (ranks, failed) => {
       // the failing ranks first, then the others; only those whose output has `filter`
-      const wanted = filter ? ranks.filter((r) => (texts[String(r)] || "").includes(filter))
+      const wanted = filter ? ranks.filter((r) => (k.texts[String(r)] || "").includes(filter))
                             : ranks;
       const ordered = [...wanted.filter((r) => failed.has(r)),
                        ...wanted.filter((r) => !failed.has(r))];
@@ -118,33 +156,22 @@ export default {
       bar.replaceChildren(label, button("merged", null, false), ...rest);
       if (selected === null) { pre.style.display = "none"; return; }
       const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-      pre.textContent = texts[String(selected)] || "(no output)";
+      pre.textContent = k.texts[String(selected)] || "(no output)";
       pre.style.display = "block";
       if (atEnd) pre.scrollTop = pre.scrollHeight;  // follows the output, unless read above
     };
-    // the kernel's numbered updates: the output each rank printed since the last one
-    const onUpdate = (msg) => {
-      if (!msg || msg.seq === undefined || msg.seq <= seq) return;
-      seq = msg.seq;
-      for (const [r, text] of Object.entries(msg.append || {})) {
-        const all = (texts[r] || "") + text;
-        texts[r] = all.length > MAX_CHARS ? all.slice(all.length - MAX_CHARS) : all;
-      }
-      // the bar changes only with the filter (which ranks match) or the failures
-      if (filter) draw();
-      else if (selected !== null && msg.append && String(selected) in msg.append) draw();
-    };
-    const onState = () => {
-      if (model.get("seq") >= seq) { fromState(); draw(); }
+    // new output (`append`: rank -> text; null: the state was read again); the bar
+    // changes with it only under a filter (which ranks match)
+    const onNew = (append) => {
+      if (append === null || filter) draw();
+      else if (selected !== null && String(selected) in append) draw();
     };
     draw();
-    model.on("msg:custom", onUpdate);
-    model.on("change:texts", onState);
+    k.views.add(onNew);
     model.on("change:failed", draw);
     model.on("change:ranks", draw);
     return () => {
-      model.off("msg:custom", onUpdate);
-      model.off("change:texts", onState);
+      k.views.delete(onNew);
       model.off("change:failed", draw);
       model.off("change:ranks", draw);
     };
@@ -159,6 +186,7 @@ class RankOutputView(anywidget.AnyWidget):
     _esm = (f"const BUTTONS_UP_TO = {BUTTONS_UP_TO};\n"
             f"const MAX_FAILED_BUTTONS = {MAX_FAILED_BUTTONS};\n"
             f"const MAX_CHARS = {MAX_CHARS};\n{_RANK_OUTPUT_JS}")
+    key = traitlets.Unicode().tag(sync=True)  # the page's name for this widget's texts
     ranks = traitlets.List(traitlets.Int()).tag(sync=True)
     texts = traitlets.Dict().tag(sync=True)  # str(rank) -> that rank's output, as of `seq`
     seq = traitlets.Int(-1).tag(sync=True)  # the last update `texts` includes
@@ -184,7 +212,7 @@ class RankOutputs:
         self._lock = threading.Lock()
         self.sends = 0
         self.display_id: str | None = None  # the output that shows it (the runner's)
-        self.view = RankOutputView(ranks=self.ranks)
+        self.view = RankOutputView(ranks=self.ranks, key=uuid.uuid4().hex)
 
     def feed(self, rank: int, text: str) -> None:
         if not text or rank not in self._texts:
