@@ -29,7 +29,7 @@ import json, statistics, time
 import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
-from mpilab.channel import MetricsStore
+from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import encode
 from mpilab.widgets import Dashboard, LivePlot
 

@@ -11,7 +11,7 @@ import uuid
 
 from IPython.display import display, update_display
 
-from .channel import CellWindow
+from .cell_window import CellWindow
 
 PROGRESS_MIN_INTERVAL_S = 0.25
 CELL_END_WAIT_S = 1.0

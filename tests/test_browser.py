@@ -174,7 +174,7 @@ def screenshot(page, name: str, index: int, output: int = 0, plot: int | None = 
 # -- the widget alone, fed from a synthetic store -------------------------------------------
 SYNTHETIC_SETUP = """\
 import os, threading, time
-from mpilab.channel import MetricsStore
+from mpilab.metrics_store import MetricsStore
 from mpilab.widgets import Dashboard
 
 store = MetricsStore(world_size=2)
@@ -277,7 +277,8 @@ def test_dashboard_widget_renders_and_grows(page, lab):
     wait_cell_done(page, 1)
     lengths = trace_lengths(page, 1)[0]
     # throughput x2 + total (without the warm-up step), 2 bars (2 ranks), bandwidth x2, loss
-    assert lengths == [FED_STEPS - 1] * 3 + [2, 2] + [FED_STEPS] * 3, lengths
+    assert lengths == [FED_STEPS - 1] * 3 + [2, 2] + [FED_STEPS] * 3 \
+        + [FED_STEPS - 1] * 3 + [FED_STEPS] * 3, lengths
     # each redraw sent only what changed: the views put the pieces together right
     assert trace_x(page, 1, 0) == list(range(1, FED_STEPS))
     assert trace_x(page, 1, 7) == list(range(FED_STEPS))  # the loss
@@ -310,7 +311,8 @@ def test_dashboard_widget_renders_and_grows(page, lab):
         ".querySelectorAll('.js-plotly-plot').length == 2")
     bench, static = trace_lengths(page, 3)
     assert bench == [4] * 6 + [2, 2]  # algbw and busbw of 3 backends, the ceiling twice
-    assert static == [FED_STEPS + 69] * 3 + [2, 2] + [FED_STEPS + 70] * 3, static
+    assert static == [FED_STEPS + 69] * 3 + [2, 2] + [FED_STEPS + 70] * 3 \
+        + [FED_STEPS + 69] * 3 + [FED_STEPS + 70] * 3, static
     table = cell(page, 3).locator("table.mpilab-status")
     table.wait_for()
     assert table.locator("tbody tr").count() == 2
@@ -397,7 +399,7 @@ def test_view_out_of_sight_draws_nothing_until_back(page, lab):
     cell(page, 1).locator(".jp-OutputPlaceholder").click()
     # back in sight, it draws what it missed: every step but the warm-up one, and the
     # new scalar's trace
-    page.wait_for_function("n => window.feedPlot._fullData.length == 9 &&"
+    page.wait_for_function("n => window.feedPlot._fullData.length == 16 &&"
                            " window.feedPlot._fullData[0].x.length == n", arg=fed - 1,
                            timeout=10_000)
     assert trace_x(page, 1, 0) == list(range(5001, 5000 + fed))

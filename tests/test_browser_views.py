@@ -250,7 +250,7 @@ SIM_SETUP = '''
 import os, threading, time
 import numpy as np
 from IPython.display import display
-from mpilab.channel import MetricsStore
+from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import Agent, encode
 from mpilab.widgets import Dashboard, StatusTable
 from mpilab.widgets.rank_output import RankOutputs

@@ -11,7 +11,7 @@ import time
 import numpy as np
 import plotly.graph_objects as go
 import pytest
-from mpilab.channel import MetricsStore
+from mpilab.metrics_store import MetricsStore
 from mpilab.widgets import (
     Dashboard,
     StatusTable,
@@ -373,7 +373,7 @@ def test_dashboard_refresh_from_a_thread():
 
 
 def test_dashboard_command_shows_the_latest_run_with_metrics_and_names_its_cell():
-    from mpilab.channel import CellWindow
+    from mpilab.cell_window import CellWindow
     from mpilab.runner import RecentRun
     from mpilab.session import latest_dashboard
 
@@ -675,7 +675,7 @@ def test_widget_updates_from_a_thread_reach_the_frontend():
     try:
         code = textwrap.dedent("""
             import threading, time
-            from mpilab.channel import MetricsStore
+            from mpilab.metrics_store import MetricsStore
             from mpilab.widgets import Dashboard
             store = MetricsStore(world_size=1)
             dash = Dashboard(store, world_size=1)
@@ -718,7 +718,7 @@ def test_executed_notebook_and_its_html_keep_a_static_plot(tmp_path):
 
     code = textwrap.dedent("""
         import time
-        from mpilab.channel import MetricsStore
+        from mpilab.metrics_store import MetricsStore
         from mpilab.widgets import Dashboard
         store = MetricsStore(world_size=2)
         dash = Dashboard(store, world_size=2)

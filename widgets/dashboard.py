@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
-from mpilab.channel import CellWindow
-from mpilab.rank.agent import TABLES
+from mpilab.cell_window import CellWindow
+from mpilab.wire import TABLES
 from plotly.subplots import make_subplots
 
 from .live_plot import REDRAW_BUDGET, LivePlot
