@@ -8,7 +8,8 @@ bridge, not a real NIC):
    4 KiB to 64 MiB, of `mpilab.allreduce(tensor)` (the public call: node-local shared
    memory, then MPI between the nodes), mpi4py's `Allreduce` and torch gloo's
    `dist.all_reduce`, interleaved in one run (every repeat runs the three in turn, the
-   order rotating), median of the slowest rank's time per repeat;
+   order rotating, each with three untimed calls before its timed loop), median of the
+   slowest rank's time per repeat;
 2. start-to-ready of 4 ranks through ssh (`mpiexec -f hostfile`) and through Slurm
    (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped, torch.distributed
    ready) against a bare ipyparallel cluster on the same launcher (engines registered),
@@ -65,6 +66,8 @@ def measure_on_ranks(repeats: int) -> None:
         for r in range(repeats):
             order = BACKENDS[r % 3:] + BACKENDS[:r % 3]
             for name in order:
+                for _ in range(3):  # after another backend's loop: its first calls
+                    calls[name]()  # wake what that loop left idle (peers, connections)
                 comm.Barrier()
                 start = time.perf_counter()
                 for _ in range(loops):
