@@ -34,7 +34,7 @@ def fresh_kernel():
 
 
 @pytest.fixture(scope="session")
-def _lab_kernel():
+def _ranks_kernel():
     kernel = Kernel()
     assert kernel.run("%load_ext mpilab").ok
     yield kernel
@@ -49,14 +49,14 @@ print(_S.instance().cluster.running and not _S.instance().cluster.dead)
 
 
 @pytest.fixture
-def lab(_lab_kernel):
-    """The shared 2-rank cluster, in a kernel of its own (tests of a kernel without ranks,
+def ranks(_ranks_kernel):
+    """A kernel with the shared 2-rank cluster, of its own (tests of a kernel without ranks,
     fresh_kernel, pass in any order). Started by the first test that asks, and again for
     a test that finds it stopped or with a dead rank (a test before it may have ended it):
     each test gets running ranks whatever ran before."""
-    ready = _lab_kernel.run(READY_CODE)
+    ready = _ranks_kernel.run(READY_CODE)
     if ready.stdout.strip() != "True":
-        _lab_kernel.run("%mpilab stop", timeout=120)
-        run = _lab_kernel.run("%mpilab start -n 2", timeout=180)
+        _ranks_kernel.run("%mpilab stop", timeout=120)
+        run = _ranks_kernel.run("%mpilab start -n 2", timeout=180)
         assert run.ok, run.text
-    return _lab_kernel
+    return _ranks_kernel

@@ -329,8 +329,8 @@ def test_wheel_in_a_fresh_venv_runs_two_ranks_and_has_the_examples(tmp_path):
 
 
 # -- with the cluster -----------------------------------------------------------------------
-def test_bench_shows_its_progress_and_names_a_skipped_backend_once(lab):
-    run = lab.run("%mpilab bench allreduce --sizes 4K:8K --backends mpi,nccl", timeout=300)
+def test_bench_shows_its_progress_and_names_a_skipped_backend_once(ranks):
+    run = ranks.run("%mpilab bench allreduce --sizes 4K:8K --backends mpi,nccl", timeout=300)
     assert run.ok, run.text
     progress = [o["content"]["data"]["text/plain"] for o in run.outputs
                 if o["type"] in ("display_data", "update_display_data")
@@ -345,27 +345,27 @@ def test_bench_shows_its_progress_and_names_a_skipped_backend_once(lab):
     assert {t["name"] for t in figure["data"]} >= {"mpi"}
 
 
-def test_rank_tracebacks_name_the_notebooks_cell_number(lab):
+def test_rank_tracebacks_name_the_notebooks_cell_number(ranks):
     """The ranks' own execution counts differ from the notebook's (cells run in the
     notebook only, cells on some ranks): a traceback names the notebook's In[n]."""
     for _ in range(3):
-        assert lab.run("x = 1").ok
+        assert ranks.run("x = 1").ok
     # IPython counts a cell before running it: this prints the number of the next cell
-    n = int(lab.run("print(get_ipython().execution_count)").stdout)
-    run = lab.run("%%ranks\ndef f():\n    raise ValueError('boom')\nf()")
+    n = int(ranks.run("print(get_ipython().execution_count)").stdout)
+    run = ranks.run("%%ranks\ndef f():\n    raise ValueError('boom')\nf()")
     assert f"Cell In[{n}], line 3, in <module>" in run.error_text, run.error_text
     assert f"Cell In[{n}], line 2, in f" in run.error_text, run.error_text
-    run = lab.run("%%ranks 1\nprint(1 +)")
+    run = ranks.run("%%ranks 1\nprint(1 +)")
     assert f"Cell In[{n + 1}], line 1" in run.error_text, run.error_text
 
 
-def test_ipyparallels_jupyterlab_panel_does_not_list_mpilabs_cluster(lab):
+def test_ipyparallels_jupyterlab_panel_does_not_list_mpilabs_cluster(ranks):
     """ipyparallel's panel lists the clusters whose files it finds in the IPython
     profiles, with a STOP button that would end the ranks behind mpilab's back."""
     import ipyparallel as ipp
 
-    run = lab.run("from mpilab.session import Session\n"
-                  "print(Session.instance().cluster._ipp_cluster.cluster_id)")
+    run = ranks.run("from mpilab.session import Session\n"
+                    "print(Session.instance().cluster._ipp_cluster.cluster_id)")
     cluster_id = run.stdout.strip()
     assert cluster_id, run.text
     listed = {c.cluster_id for c in ipp.ClusterManager().load_clusters().values()}

@@ -8,11 +8,11 @@ import ipaddress
 from listeners import is_hydra, listeners_of
 
 
-def test_one_host_cluster_listens_on_loopback_only(lab):
-    run = lab.run("%%ranks\nimport torch\nt = torch.ones(4)\ndist.all_reduce(t)\n"
-                  "mpilab.allreduce(t)\nprint(t.tolist())")
+def test_one_host_cluster_listens_on_loopback_only(ranks):
+    run = ranks.run("%%ranks\nimport torch\nt = torch.ones(4)\ndist.all_reduce(t)\n"
+                    "mpilab.allreduce(t)\nprint(t.tolist())")
     assert run.ok, run.text
-    found = listeners_of(lab.km.provisioner.process.pid)
+    found = listeners_of(ranks.km.provisioner.process.pid)
     commands = " ".join(sorted({x.command for x in found}))
     # the pieces are all there: the kernel, the controller and both engines listen
     assert "ipykernel" in commands and "controller_main" in commands, commands

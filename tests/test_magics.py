@@ -13,7 +13,7 @@ import pytest
 from conftest import cluster_pids
 
 # -- bad input before any cluster -----------------------------------------------------------
-# These run first (the `lab` fixture starts the cluster later in this module).
+# These run first (the `ranks` fixture starts the cluster later in this module).
 
 @pytest.mark.parametrize("code, message", [
     ("%%ranks\nprint(1)", "no ranks are running: start them with `%mpilab start -n N`"),
@@ -76,8 +76,8 @@ def test_ranks_that_fail_their_bootstrap_say_why_in_one_line_and_leave_nothing(f
 
 # -- the running cluster -------------------------------------------------------------------
 
-def test_allreduce_through_dist_and_comm(lab):
-    run = lab.run(
+def test_allreduce_through_dist_and_comm(ranks):
+    run = ranks.run(
         "%%ranks\nimport torch\nt = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)\n"
         "print('dist', t.tolist())\nprint('comm', comm.allreduce(rank + 1))"
     )
@@ -86,17 +86,17 @@ def test_allreduce_through_dist_and_comm(lab):
     assert "[ranks 0-1] comm 3" in run.stdout
 
 
-def test_names_are_injected(lab):
-    run = lab.run("%%ranks\n(rank, world_size, local_rank, str(device), "
-                  "comm.Get_size(), dist.get_world_size(), mpilab.__name__)")
+def test_names_are_injected(ranks):
+    run = ranks.run("%%ranks\n(rank, world_size, local_rank, str(device), "
+                    "comm.Get_size(), dist.get_world_size(), mpilab.__name__)")
     assert run.ok, run.text
     assert "Out[rank 0]: (0, 2, 0, 'cpu', 2, 2, 'mpilab')" in run.text
     assert "Out[rank 1]: (1, 2, 1, 'cpu', 2, 2, 'mpilab')" in run.text
 
 
-def test_output_streams_live(lab):
-    run = lab.run("%%ranks\nimport time\nfor i in range(3):\n"
-                  "    print('tick', i, flush=True)\n    time.sleep(1)")
+def test_output_streams_live(ranks):
+    run = ranks.run("%%ranks\nimport time\nfor i in range(3):\n"
+                    "    print('tick', i, flush=True)\n    time.sleep(1)")
     assert run.ok, run.text
     arrivals = [o["t"] for o in run.outputs if o["type"] == "stream" and "tick" in
                 o["content"]["text"]]
@@ -106,20 +106,20 @@ def test_output_streams_live(lab):
     assert "[ranks 0-1] tick 0" in run.stdout and "[ranks 0-1] tick 2" in run.stdout
 
 
-def test_identical_output_shown_once_different_output_per_rank(lab):
-    run = lab.run("%%ranks\nprint('same')\nprint('mine', rank)")
+def test_identical_output_shown_once_different_output_per_rank(ranks):
+    run = ranks.run("%%ranks\nprint('same')\nprint('mine', rank)")
     assert run.ok
     assert run.stdout.count("same") == 1
     assert "[ranks 0-1] same" in run.stdout
     assert "[rank 0] mine 0" in run.stdout and "[rank 1] mine 1" in run.stdout
 
 
-def test_rank_selection(lab):
-    run = lab.run("%%ranks 1\nprint('hi from', rank)")
+def test_rank_selection(ranks):
+    run = ranks.run("%%ranks 1\nprint('hi from', rank)")
     assert run.stdout == "hi from 1\n"
-    run = lab.run("%%ranks 0,1\nprint('x')")
+    run = ranks.run("%%ranks 0,1\nprint('x')")
     assert "[ranks 0-1] x" in run.stdout
-    run = lab.run("%%ranks 1-1\nrank")
+    run = ranks.run("%%ranks 1-1\nrank")
     assert run.text.strip() == "Out[rank 1]: 1"  # labelled as all-rank values are
 
 
@@ -128,21 +128,21 @@ def test_rank_selection(lab):
     ("a-b", "rank selection 'a-b' is malformed"),
     ("1-0", "rank range '1-0' is backwards"),
 ])
-def test_bad_rank_spec(lab, spec, message):
-    run = lab.run(f"%%ranks {spec}\nprint(1)")
+def test_bad_rank_spec(ranks, spec, message):
+    run = ranks.run(f"%%ranks {spec}\nprint(1)")
     assert not run.ok and message in run.text
     _assert_one_line_error(run)
 
 
-def test_start_while_running(lab):
-    run = lab.run("%mpilab start -n 2")
+def test_start_while_running(ranks):
+    run = ranks.run("%mpilab start -n 2")
     assert not run.ok and "ranks are already running" in run.text
     _assert_one_line_error(run)
 
 
-def test_error_traceback_once_naming_ranks_without_glue_frames(lab):
-    run = lab.run("%%ranks\ndef inner():\n    raise ValueError('bad value ' + str(rank > 0))\n"
-                  "if rank == 1:\n    inner()\nprint('ok', rank)")
+def test_error_traceback_once_naming_ranks_without_glue_frames(ranks):
+    run = ranks.run("%%ranks\ndef inner():\n    raise ValueError('bad value ' + str(rank > 0))\n"
+                    "if rank == 1:\n    inner()\nprint('ok', rank)")
     assert not run.ok
     err = run.error_text
     assert "[rank 1] failed:" in err
@@ -153,15 +153,15 @@ def test_error_traceback_once_naming_ranks_without_glue_frames(lab):
     assert "[rank 0] ok 0" in run.stdout
 
 
-def test_same_error_on_all_ranks_shown_once(lab):
-    run = lab.run("%%ranks\n1/0")
+def test_same_error_on_all_ranks_shown_once(ranks):
+    run = ranks.run("%%ranks\n1/0")
     assert not run.ok
     assert "[ranks 0-1] failed:" in run.error_text
     assert run.error_text.count("ZeroDivisionError") == 1
 
 
-def test_syntax_error_shown_once_as_the_cell(lab):
-    run = lab.run("%%ranks\ndef f(:\n    pass")
+def test_syntax_error_shown_once_as_the_cell(ranks):
+    run = ranks.run("%%ranks\ndef f(:\n    pass")
     assert not run.ok
     err = run.error_text
     assert "[ranks 0-1] failed:" in err, err
@@ -170,62 +170,62 @@ def test_syntax_error_shown_once_as_the_cell(lab):
     assert "def f(:" in err
 
 
-def test_timeout_stops_waiting_and_cluster_stays_usable(lab):
+def test_timeout_stops_waiting_and_cluster_stays_usable(ranks):
     start = time.monotonic()
-    run = lab.run("%%ranks --timeout 1\nimport time\ntime.sleep(60)", timeout=30)
+    run = ranks.run("%%ranks --timeout 1\nimport time\ntime.sleep(60)", timeout=30)
     assert time.monotonic() - start < 10
     assert not run.ok
     assert "did not finish within 1 s" in run.error_text
-    assert lab.run("%%ranks\nprint('alive', rank)").ok
+    assert ranks.run("%%ranks\nprint('alive', rank)").ok
 
 
-def test_interrupt_reaches_every_rank(lab):
-    run = lab.run("%%ranks\nimport time\nstate = 'before'\ntime.sleep(60)", timeout=30,
-                  interrupt_after=2)
+def test_interrupt_reaches_every_rank(ranks):
+    run = ranks.run("%%ranks\nimport time\nstate = 'before'\ntime.sleep(60)", timeout=30,
+                    interrupt_after=2)
     assert not run.ok
     assert "[rank 0] interrupted" in run.error_text
     assert "[rank 1] interrupted" in run.error_text
-    after = lab.run("%%ranks\nstate")
+    after = ranks.run("%%ranks\nstate")
     assert after.ok and "'before'" in after.text
 
 
-def test_noblock_returns_at_once_and_output_lands_under_its_cell(lab):
-    cell = lab.run("%%ranks --noblock\nimport time\ntime.sleep(1.5)\nprint('late', rank)")
+def test_noblock_returns_at_once_and_output_lands_under_its_cell(ranks):
+    cell = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(1.5)\nprint('late', rank)")
     assert cell.ok
     assert cell.finished - cell.started < 1.5
-    other = lab.run("import time\ntime.sleep(3)\nprint('notebook')")
+    other = ranks.run("import time\ntime.sleep(3)\nprint('notebook')")
     assert other.ok and "late" not in other.text
-    messages = lab.collect_iopub(1.0)
+    messages = ranks.collect_iopub(1.0)
     late = "".join(m["content"].get("text", "") for m in messages
                    if m["parent"] == cell.msg_id and m["type"] == "stream")
     assert "[rank 0] late 0" in late and "[rank 1] late 1" in late, late
-    assert lab.run("%%ranks\nprint('next')").ok
+    assert ranks.run("%%ranks\nprint('next')").ok
 
 
-def test_push_pull_round_trip(lab):
-    run = lab.run("import torch\nw = torch.arange(6.).reshape(2, 3)\n"
-                  "conf = {'lr': 0.1, 'n': [1, 2]}\n%mpilab push w,conf")
+def test_push_pull_round_trip(ranks):
+    run = ranks.run("import torch\nw = torch.arange(6.).reshape(2, 3)\n"
+                    "conf = {'lr': 0.1, 'n': [1, 2]}\n%mpilab push w,conf")
     assert run.ok, run.text
-    run = lab.run("%%ranks\nw2 = w * (rank + 1)\nconf2 = dict(conf, rank=rank)\n"
-                  "print(w.sum().item())")
+    run = ranks.run("%%ranks\nw2 = w * (rank + 1)\nconf2 = dict(conf, rank=rank)\n"
+                    "print(w.sum().item())")
     assert "[ranks 0-1] 15.0" in run.stdout
-    run = lab.run("%mpilab pull w2 --rank 1\n%mpilab pull conf2\n"
-                  "print(w2.tolist(), conf2)")
+    run = ranks.run("%mpilab pull w2 --rank 1\n%mpilab pull conf2\n"
+                    "print(w2.tolist(), conf2)")
     assert run.ok, run.text
     assert "[[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]" in run.stdout
     expected = "[{'lr': 0.1, 'n': [1, 2], 'rank': 0}, {'lr': 0.1, 'n': [1, 2], 'rank': 1}]"
     assert expected in run.stdout
 
 
-def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(lab):
-    assert lab.run("%%ranks 1\nonly_on_1 = 42").ok
-    run = lab.run("%mpilab pull only_on_1")
+def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(ranks):
+    assert ranks.run("%%ranks 1\nonly_on_1 = 42").ok
+    run = ranks.run("%mpilab pull only_on_1")
     assert "pull: 'only_on_1' is not defined on rank 0; it is on rank 1: add --rank 1" \
         in run.text, run.text
     _assert_one_line_error(run)
-    run = lab.run("%%ranks\nimport threading\nlock = threading.Lock()")
+    run = ranks.run("%%ranks\nimport threading\nlock = threading.Lock()")
     assert run.ok, run.text
-    run = lab.run("%mpilab pull lock --rank 0")
+    run = ranks.run("%mpilab pull lock --rank 0")
     assert "pull: 'lock' could not be fetched from rank 0: TypeError" in run.text, run.text
     _assert_one_line_error(run)
 
@@ -248,23 +248,23 @@ def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(lab):
     ("%mpilab trace --save /nonexistent/trace.json",
      "/nonexistent/trace.json: cannot write it (No such file or directory)"),
 ])
-def test_bad_input_with_cluster(lab, code, message):
-    run = lab.run(code)
+def test_bad_input_with_cluster(ranks, code, message):
+    run = ranks.run(code)
     assert not run.ok and message in run.text, run.text
     _assert_one_line_error(run)
 
 
-def test_auto_mode(lab):
-    assert lab.run("%mpilab auto on").ok
-    run = lab.run("print('auto', rank)")
+def test_auto_mode(ranks):
+    assert ranks.run("%mpilab auto on").ok
+    run = ranks.run("print('auto', rank)")
     assert "[rank 0] auto 0" in run.stdout and "[rank 1] auto 1" in run.stdout
-    assert lab.run("%mpilab auto off").ok
-    run = lab.run("print('local')")
+    assert ranks.run("%mpilab auto off").ok
+    run = ranks.run("print('local')")
     assert run.stdout == "local\n"
 
 
-def test_dashboard_before_any_metrics_is_one_line(lab):
-    run = lab.run("%mpilab dashboard")
+def test_dashboard_before_any_metrics_is_one_line(ranks):
+    run = ranks.run("%mpilab dashboard")
     assert not run.ok and "no training metrics yet" in run.text
     _assert_one_line_error(run)
 
@@ -282,8 +282,8 @@ print("trained")
 """
 
 
-def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp_path):
-    run = lab.run(TRAIN_CELL)
+def test_training_cell_records_metrics_and_shows_dashboard_and_progress(ranks, tmp_path):
+    run = ranks.run(TRAIN_CELL)
     assert run.ok, run.text
     kinds = [(o["type"], sorted(o["content"].get("data", {}))) for o in run.outputs
              if o["type"] != "stream"]
@@ -298,9 +298,9 @@ def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp
     assert bars and bars[-1].startswith("train: 12/12")
 
     csv_path, json_path, trace_path = (tmp_path / n for n in ("run.csv", "run.json", "t.json"))
-    assert lab.run(f"%mpilab metrics --save {csv_path}").ok
-    assert lab.run(f"%mpilab metrics --save {json_path}").ok
-    assert lab.run(f"%mpilab trace --save {trace_path}").ok
+    assert ranks.run(f"%mpilab metrics --save {csv_path}").ok
+    assert ranks.run(f"%mpilab metrics --save {json_path}").ok
+    assert ranks.run(f"%mpilab trace --save {trace_path}").ok
     records = json.loads(json_path.read_text())["records"]
     steps = [r for r in records if r["kind"] == "step"]
     assert {r["rank"] for r in steps} == {0, 1}
@@ -314,22 +314,22 @@ def test_training_cell_records_metrics_and_shows_dashboard_and_progress(lab, tmp
     assert {e["pid"] for e in spans} == {0, 1}
     assert all(e["dur"] >= 0 and e["cat"] in ("comm", "compute") for e in spans)
 
-    dash = lab.run("%mpilab dashboard")
+    dash = ranks.run("%mpilab dashboard")
     assert dash.ok and "mpilab dashboard: 2 ranks, step 12" in dash.text
 
     # saved, then forgotten: the next save holds only later runs
-    cleared = lab.run(f"%mpilab metrics --save {json_path} --clear")
+    cleared = ranks.run(f"%mpilab metrics --save {json_path} --clear")
     assert cleared.ok and "metrics cleared" in cleared.stdout
     assert json.loads(json_path.read_text())["records"] == records
-    assert lab.run(f"%mpilab metrics --save {json_path}").ok
+    assert ranks.run(f"%mpilab metrics --save {json_path}").ok
     assert json.loads(json_path.read_text())["records"] == []
-    assert "no training metrics yet" in lab.run("%mpilab dashboard").text
+    assert "no training metrics yet" in ranks.run("%mpilab dashboard").text
 
 
-def test_noblock_training_keeps_its_dashboard_updating(lab):
-    cell = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1))
+def test_noblock_training_keeps_its_dashboard_updating(ranks):
+    cell = ranks.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1))
     assert cell.ok and cell.finished - cell.started < 1.5
-    messages = [m for m in lab.collect_iopub(8.0) if m["parent"] == cell.msg_id]
+    messages = [m for m in ranks.collect_iopub(8.0) if m["parent"] == cell.msg_id]
     shown = [m for m in messages if m["type"] == "display_data"
              and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")]
     final = [m for m in messages if m["type"] == "update_display_data"
@@ -338,15 +338,15 @@ def test_noblock_training_keeps_its_dashboard_updating(lab):
     assert any("trained" in m["content"].get("text", "") for m in messages)
 
 
-def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(lab):
+def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(ranks):
     """A cell run while a --noblock cell trains waits behind it on the ranks: its
     dashboard, progress bar and --timeout begin when the ranks begin it."""
-    first = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1)
-                    .replace("range(12)", "range(60)").replace('"train"', '"first"'))
+    first = ranks.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1)
+                      .replace("range(12)", "range(60)").replace('"train"', '"first"'))
     assert first.ok
     # 60 steps of 0.05 s ahead of it: counted from when it was run, 3 s would time out
-    second = lab.run(TRAIN_CELL.replace("%%ranks", "%%ranks --timeout 3", 1)
-                     .replace("loss=", "acc=").replace('"train"', '"second"'))
+    second = ranks.run(TRAIN_CELL.replace("%%ranks", "%%ranks --timeout 3", 1)
+                       .replace("loss=", "acc=").replace('"train"', '"second"'))
     assert second.ok, second.text
     texts = [o["content"]["data"].get("text/plain", "") for o in second.outputs
              if o["type"] in ("display_data", "update_display_data")]
@@ -355,46 +355,46 @@ def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(lab):
     final = [t for t in texts if t.startswith("mpilab dashboard")][-1]
     assert "step 12" in final and "acc" in final and "loss" not in final, final
     # the first cell's own dashboard ends with its own run
-    messages = [m for m in lab.collect_iopub(1.0) if m["parent"] == first.msg_id]
+    messages = [m for m in ranks.collect_iopub(1.0) if m["parent"] == first.msg_id]
     ends = [m["content"]["data"]["text/plain"] for m in messages
             if m["type"] == "update_display_data"
             and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")]
     assert ends and "step 60" in ends[-1] and "acc" not in ends[-1], ends
 
 
-def test_stopping_a_queued_cell_drops_it_and_the_noblock_cell_goes_on(lab):
-    first = lab.run("%%ranks --noblock\nimport time\ntime.sleep(3)\nprint('first done')")
+def test_stopping_a_queued_cell_drops_it_and_the_noblock_cell_goes_on(ranks):
+    first = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(3)\nprint('first done')")
     assert first.ok
-    second = lab.run("%%ranks\nprint('second ran')", interrupt_after=1.0)
+    second = ranks.run("%%ranks\nprint('second ran')", interrupt_after=1.0)
     assert not second.ok
     assert "ranks 0-1 had not begun the cell: an earlier --noblock cell still runs" in \
         second.text, second.text
     assert "Traceback" not in second.text and "restarted" not in second.text
-    messages = [m for m in lab.collect_iopub(4.0)
-                if m["parent"] in (first.msg_id, second.msg_id)]
+    messages = [m for m in ranks.collect_iopub(4.0)
+                  if m["parent"] in (first.msg_id, second.msg_id)]
     texts = [m["content"].get("text", "") for m in messages if m["type"] == "stream"]
     assert any("[ranks 0-1] first done" in t for t in texts), messages  # not interrupted
     assert not any("second ran" in t for t in texts + [second.text])
-    assert lab.run("%%ranks\nprint('next', rank)").ok
+    assert ranks.run("%%ranks\nprint('next', rank)").ok
 
 
-def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(lab):
-    first = lab.run("%%ranks --noblock\nimport time\ntime.sleep(1)\nraise ValueError('boom')")
+def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(ranks):
+    first = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(1)\nraise ValueError('boom')")
     assert first.ok
-    second = lab.run("%%ranks\nprint('second ran')")
+    second = ranks.run("%%ranks\nprint('second ran')")
     assert not second.ok and "second ran" not in second.text
     assert "[ranks 0-1] did not run the cell: the cell before it there failed" in \
         second.text, second.text
     _assert_one_line_error(second)
-    messages = [m for m in lab.collect_iopub(1.0) if m["parent"] == first.msg_id]
+    messages = [m for m in ranks.collect_iopub(1.0) if m["parent"] == first.msg_id]
     assert any("ValueError: boom" in m["content"].get("text", "") for m in messages), messages
-    assert lab.run("%%ranks\nprint('next', rank)").ok
+    assert ranks.run("%%ranks\nprint('next', rank)").ok
 
 
-def test_status_lists_every_rank(lab):
+def test_status_lists_every_rank(ranks):
     # right after a cell (its last heartbeat said "running"), the ranks show idle
-    assert lab.run("%%ranks\nimport time\ntime.sleep(0.7)").ok
-    run = lab.run("%mpilab status")
+    assert ranks.run("%%ranks\nimport time\ntime.sleep(0.7)").ok
+    run = ranks.run("%mpilab status")
     assert run.ok, run.text
     lines = run.text.strip().splitlines()
     assert lines[0].split()[:4] == ["rank", "host", "pid", "device"]
@@ -402,8 +402,8 @@ def test_status_lists_every_rank(lab):
     assert all("idle" in ln for ln in lines[1:])
 
 
-def test_bench_shows_table_and_plot(lab):
-    run = lab.run("%mpilab bench allreduce --sizes 4K:16K --backends mpi,mpilab", timeout=120)
+def test_bench_shows_table_and_plot(ranks):
+    run = ranks.run("%mpilab bench allreduce --sizes 4K:16K --backends mpi,mpilab", timeout=120)
     assert run.ok, run.text
     for backend in ("mpi", "mpilab"):
         assert re.search(rf"allreduce\s+{backend}\s+4K", run.stdout), run.stdout
@@ -413,12 +413,12 @@ def test_bench_shows_table_and_plot(lab):
     assert plots
 
 
-def test_stop_leaves_no_process(lab):
-    pids = cluster_pids(lab)
+def test_stop_leaves_no_process(ranks):
+    pids = cluster_pids(ranks)
     assert len(pids["engines"]) == 2 and pids["launchers"]
-    run = lab.run("%mpilab stop", timeout=60)
+    run = ranks.run("%mpilab stop", timeout=60)
     assert run.ok and "stopped 2 ranks" in run.stdout
     for pid in pids["engines"] + pids["launchers"]:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie", pid
-    kernel = psutil.Process(lab.km.provisioner.process.pid)
+    kernel = psutil.Process(ranks.km.provisioner.process.pid)
     assert kernel.children(recursive=True) == []

@@ -2,7 +2,7 @@
 
 Real kernels and ranks throughout: the tutorial-shaped scripts in tests/torchrun_scripts
 are pasted into `%%ranks` cells or run there with `%run`, as a researcher would. The
-shared `lab` cluster serves them; the two failure tests at the end restart its ranks
+shared `ranks` cluster serves them; the two failure tests at the end restart its ranks
 (a blocking torch.distributed call cannot be released otherwise) and leave it usable.
 """
 
@@ -43,13 +43,13 @@ def json_lines(stdout: str) -> dict[int, dict]:
     return found
 
 
-def assert_group_works(lab) -> None:
+def assert_group_works(ranks) -> None:
     """torch.distributed, mpilab's collectives and DataParallel over torch all work."""
-    run = lab.run("%%ranks\nimport torch\nt = torch.ones(2)\ndist.all_reduce(t)\n"
-                  "x = torch.ones(2)\nmpilab.allreduce(x)\n"
-                  "m = mpilab.DataParallel(torch.nn.Linear(4, 2), backend='torch')\n"
-                  "m(torch.randn(3, 4)).sum().backward()\n"
-                  "print(t.tolist(), x.tolist(), dist.is_initialized(), dist.get_backend())")
+    run = ranks.run("%%ranks\nimport torch\nt = torch.ones(2)\ndist.all_reduce(t)\n"
+                    "x = torch.ones(2)\nmpilab.allreduce(x)\n"
+                    "m = mpilab.DataParallel(torch.nn.Linear(4, 2), backend='torch')\n"
+                    "m(torch.randn(3, 4)).sum().backward()\n"
+                    "print(t.tolist(), x.tolist(), dist.is_initialized(), dist.get_backend())")
     assert run.ok, run.text
     assert "[ranks 0-1] [2.0, 2.0] [2.0, 2.0] True gloo" in run.stdout, run.text
 
@@ -95,8 +95,8 @@ def test_spawn_message_names_the_call_to_make_instead():
 # -- on the shared cluster ---------------------------------------------------------------------
 
 
-def test_ranks_carry_torchrun_environment(lab):
-    run = lab.run(
+def test_ranks_carry_torchrun_environment(ranks):
+    run = ranks.run(
         "%%ranks\nimport json, os\n"
         "keys = ['RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK',\n"
         "        'GROUP_WORLD_SIZE', 'ROLE_RANK', 'MASTER_ADDR', 'MASTER_PORT']\n"
@@ -118,12 +118,12 @@ def test_ranks_carry_torchrun_environment(lab):
         assert e["MASTER_ADDR"] == "127.0.0.1"
 
 
-def test_ddp_tutorial_runs_unchanged_and_again(lab):
+def test_ddp_tutorial_runs_unchanged_and_again(ranks):
     """The tutorial's setup() (MASTER_PORT=12355, init_process_group("gloo", rank=…,
     world_size=…)), a DDP step and cleanup() (destroy_process_group), twice."""
     cell = "%%ranks\n" + tutorial("ddp_basic.py") + "\ndemo_basic(rank, world_size)\n"
     for _ in range(2):
-        run = lab.run(cell)
+        run = ranks.run(cell)
         assert run.ok, run.text
         assert "initialize the default process group twice" not in run.text
         assert run.text.count(REUSED) == 1, run.text  # once per cell, for both ranks
@@ -133,17 +133,17 @@ def test_ddp_tutorial_runs_unchanged_and_again(lab):
             assert f"Finished running basic DDP example on rank {r}." in run.stdout
     # the user's MASTER_PORT opened nothing: every rank still listens on loopback only,
     # and nobody on 12355
-    found = [x for x in listeners_of(lab.km.provisioner.process.pid)
-             if "--mpilab-engine-child" in x.command]
+    found = [x for x in listeners_of(ranks.km.provisioner.process.pid)
+               if "--mpilab-engine-child" in x.command]
     assert found and all(x.ip == "127.0.0.1" for x in found), found
     assert all(x.port != 12355 for x in found), found
     # destroy_process_group() left the next cell a working group, mpilab's included
-    assert_group_works(lab)
+    assert_group_works(ranks)
 
 
-def test_mp_spawn_gets_one_line_saying_what_to_do(lab):
+def test_mp_spawn_gets_one_line_saying_what_to_do(ranks):
     # the whole tutorial pasted, __main__ block included (a cell's __name__ is __main__)
-    run = lab.run("%%ranks\n" + tutorial("ddp_basic.py", keep_main=True))
+    run = ranks.run("%%ranks\n" + tutorial("ddp_basic.py", keep_main=True))
     assert not run.ok
     err = run.error_text
     assert err.count("mp.spawn would start 2 more processes on each of the 2 ranks") == 1, err
@@ -153,9 +153,9 @@ def test_mp_spawn_gets_one_line_saying_what_to_do(lab):
     assert "Running basic DDP example" not in run.stdout
 
 
-def test_checkpoint_tutorial_saves_on_rank0_and_loads_with_map_location(lab, tmp_path):
-    run = lab.run("%%ranks\n" + tutorial("ddp_checkpoint.py")
-                  + f"\ndemo_checkpoint(rank, world_size, {str(tmp_path)!r})\n")
+def test_checkpoint_tutorial_saves_on_rank0_and_loads_with_map_location(ranks, tmp_path):
+    run = ranks.run("%%ranks\n" + tutorial("ddp_checkpoint.py")
+                    + f"\ndemo_checkpoint(rank, world_size, {str(tmp_path)!r})\n")
     assert run.ok, run.text
     for r in (0, 1):
         assert f"rank {r}: loaded rank 0's checkpoint: True" in run.stdout, run.text
@@ -163,10 +163,10 @@ def test_checkpoint_tutorial_saves_on_rank0_and_loads_with_map_location(lab, tmp
     assert not (tmp_path / "model.checkpoint").exists()  # rank 0 removed it
 
 
-def test_run_script_with_argparse_sampler_and_set_epoch(lab):
-    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 2 --samples 256\n"
-                  "import sys\nprint('after:', __name__, sys.argv[0].endswith('train.py'),"
-                  " callable(make_dataset))")
+def test_run_script_with_argparse_sampler_and_set_epoch(ranks):
+    run = ranks.run(f"%%ranks\n%run {TRAIN} --epochs 2 --samples 256\n"
+                    "import sys\nprint('after:', __name__, sys.argv[0].endswith('train.py'),"
+                    " callable(make_dataset))")
     assert run.ok, run.text
     epochs = re.findall(r"\[rank 0\] epoch (\d): loss [\d.]+, every sample once: True, "
                         r"first samples (\[[\d, ]+\])", run.stdout)
@@ -176,19 +176,19 @@ def test_run_script_with_argparse_sampler_and_set_epoch(lab):
     after = re.findall(r"^\[ranks? ([\d-]+)\] after: (.*)$", run.stdout, re.M)
     assert after and {line for _, line in after} == {"__main__ False True"}, run.text
     assert run.text.count(REUSED) == 1
-    assert_group_works(lab)
+    assert_group_works(ranks)
 
 
-def test_run_script_bad_arguments_fail_the_cell_with_argparse_message(lab):
-    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 1 --bogus")
+def test_run_script_bad_arguments_fail_the_cell_with_argparse_message(ranks):
+    run = ranks.run(f"%%ranks\n%run {TRAIN} --epochs 1 --bogus")
     assert not run.ok
     assert "[ranks 0-1] train.py: error: unrecognized arguments: --bogus" in run.stderr
     assert run.error_text.count("train.py exited with status 2") == 1, run.error_text
     assert "To exit: use" not in run.text
 
 
-def test_init_process_group_variants(lab):
-    run = lab.run(
+def test_init_process_group_variants(ranks):
+    run = ranks.run(
         "%%ranks\nimport torch\nimport torch.distributed as dist\n"
         "dist.init_process_group(backend='nccl')\n"
         "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:23456', rank=rank,"
@@ -320,9 +320,9 @@ def test_torchrun_notebook_runs(tmp_path):
 # -- failures (these restart the shared cluster's ranks; keep them last) ------------------------
 
 
-def test_rank_raising_in_ddp_backward_of_a_script_restarts_with_the_promised_message(lab):
+def test_rank_raising_in_ddp_backward_of_a_script_restarts_with_the_promised_message(ranks):
     start = time.monotonic()
-    run = lab.run(f"%%ranks\n%run {TRAIN} --epochs 1 --fail-rank 1", timeout=180)
+    run = ranks.run(f"%%ranks\n%run {TRAIN} --epochs 1 --fail-rank 1", timeout=180)
     took = time.monotonic() - start
     assert not run.ok
     assert took < 60, took  # the bound of README's direct torch collective row
@@ -332,16 +332,16 @@ def test_rank_raising_in_ddp_backward_of_a_script_restarts_with_the_promised_mes
     assert re.search(r"rank 0 was at train\.py line \d+: loss\.backward\(\) when rank 1 "
                      r"failed", err), err
     assert "restarted the ranks: their state was lost" in err
-    assert_group_works(lab)
+    assert_group_works(ranks)
 
 
-def test_script_hang_in_a_direct_collective_is_diagnosed(lab):
-    run = lab.run(f"%%ranks --hang-timeout 3\n%run {TRAIN} --epochs 1 --samples 128 "
-                  "--hang-rank 0", timeout=180)
+def test_script_hang_in_a_direct_collective_is_diagnosed(ranks):
+    run = ranks.run(f"%%ranks --hang-timeout 3\n%run {TRAIN} --epochs 1 --samples 128 "
+                    "--hang-rank 0", timeout=180)
     assert not run.ok
     err = run.error_text
     assert re.search(r"hang: rank 0 has been at train\.py line \d+: dist\.all_reduce\(total\) "
                      r"for \d+\.\d s, and rank 1 finished the cell without joining it", err), err
     assert "restarted the ranks: their state was lost" in err
-    assert_group_works(lab)
+    assert_group_works(ranks)
 
