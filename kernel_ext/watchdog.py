@@ -61,24 +61,58 @@ def _age(hb: dict) -> float:
     return hb.get("op_age", 0.0) + max(0.0, time.time() - hb.get("t", time.time()))
 
 
-def find_mismatch(heartbeats: dict[int, dict]) -> str | None:
-    """Ranks that did different things (op or size) at the same collective number,
-    in progress or recently finished. One pass over every rank's last collectives
-    (1,024 ranks: 16,000 of them, 20 times a second) finds the numbers they disagree
-    on; the report is built for the first of those only."""
-    first: dict[int, tuple[str, int]] = {}
-    clash: set[int] = set()
-    for hb in heartbeats.values():
-        for seq, what in _history(hb).items():
-            if first.setdefault(seq, what) != what:
-                clash.add(seq)
-    if not clash:
-        return None
-    seq = min(clash)
-    members = {r: _history(hb)[seq] for r, hb in heartbeats.items() if seq in _history(hb)}
-    parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
-             for r, (op, nbytes) in sorted(members.items())]
-    return "mismatched collectives: " + ", ".join(parts)
+class CollectiveLedger:
+    """What each rank said it did at each collective number during one cell, read from
+    its heartbeats: the first report of a number is kept, and a report that differs is
+    a mismatch (ranks that called different collectives, or sizes, at the same number).
+    Only the heartbeats that changed since the last read are read (the store replaces a
+    rank's heartbeat with each new one): at 1,024 ranks a heartbeat carries the last 16
+    collectives, and comparing all of them on every check took most of its time."""
+
+    MAX_NUMBERS = 8192  # numbers remembered; past that the oldest half is forgotten
+
+    def __init__(self) -> None:
+        self._read: dict[int, dict] = {}  # rank -> the heartbeat read last
+        self._done: dict[int, int] = {}  # rank -> the highest finished number read
+        self._first: dict[int, tuple[tuple[str, int], int]] = {}  # seq -> (what, rank)
+        self._clashes: dict[int, dict[int, tuple[str, int]]] = {}  # seq -> rank -> what
+
+    def _note(self, seq: int, what: tuple[str, int], rank: int) -> None:
+        known = self._first.get(seq)
+        if known is None:
+            self._first[seq] = (what, rank)
+        elif known[0] != what:
+            self._clashes.setdefault(seq, {known[1]: known[0]})[rank] = what
+
+    def mismatch(self, heartbeats: dict[int, dict]) -> str | None:
+        """The first mismatched collective seen so far, as one line (None: none)."""
+        first, clashes, done = self._first, self._clashes, self._done
+        for rank, hb in heartbeats.items():
+            if self._read.get(rank) is hb:
+                continue
+            self._read[rank] = hb
+            upto = done.get(rank, -1)
+            for seq, op, nbytes in hb.get("recent", ()):  # finished ones, oldest first
+                if seq > upto:
+                    self._note(int(seq), (op, int(nbytes)), rank)
+                    upto = seq
+            done[rank] = upto
+            if hb.get("phase") == "collective":  # the one it is in
+                self._note(hb["seq"], (hb["op"], hb.get("op_nbytes", 0)), rank)
+        if len(first) > self.MAX_NUMBERS:
+            for seq in sorted(first)[:len(first) // 2]:
+                del first[seq]
+        if not clashes:
+            return None
+        seq = min(clashes)
+        members = dict(clashes[seq])
+        for rank, hb in heartbeats.items():  # every rank that reported this number
+            what = _history(hb).get(seq)
+            if what is not None:
+                members.setdefault(rank, what)
+        parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
+                 for r, (op, nbytes) in sorted(members.items())]
+        return "mismatched collectives: " + ", ".join(parts)
 
 
 def _history(hb: dict) -> dict[int, tuple[str, int]]:
@@ -124,6 +158,7 @@ class Watchdog:
         # and what the comparison found; compared again only once either count moves
         self._compared: tuple[int, int] | None = None
         self._mismatch: str | None = None
+        self._ledger = CollectiveLedger()
         for info in cluster.ranks:
             if info["rank"] in ranks and info["host"] == self.local_host:
                 try:
@@ -149,11 +184,13 @@ class Watchdog:
                 dead[rank] = self._cause(rank)
             remote = [r for r in self.ranks if r not in self._procs and r in self._info]
             if remote:  # their supervisors' reports reach the launcher's output
-                output = self.cluster.engine_output(lines=200)
+                reported: dict[tuple[str, int | None], str] = {}
+                for report in exit_reports(self.cluster.engine_output(lines=200)):
+                    reported.setdefault((report.host, report.pid), report.cause)
                 for rank in remote:
                     info = self._info[rank]
-                    cause = death_cause(info["host"], info["pid"], output)
-                    if cause != UNKNOWN_CAUSE:
+                    cause = reported.get((info["host"], info["pid"]))
+                    if cause is not None:
                         dead[rank] = cause
         ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
         for rank in self.ranks:
@@ -200,8 +237,9 @@ class Watchdog:
         seen = (store.beats, store.events) if store else None
         if seen is None or seen != self._compared:
             self._compared = seen
-            self._mismatch = find_mismatch({r: hb for r, hb in heartbeats.items()
-                                            if r in self._ranks and self._this_cell(hb)})
+            self._mismatch = self._ledger.mismatch(
+                {r: hb for r, hb in heartbeats.items()
+                 if r in self._ranks and self._this_cell(hb)})
         mismatch = self._mismatch
         if mismatch:
             return Verdict("mismatch", [mismatch], release=running)

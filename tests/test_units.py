@@ -346,3 +346,27 @@ def test_lifeline_silence_means_gone_and_no_notebook_means_lost():
     closed.close()
     with pytest.raises(lifeline.LifelineLost, match="cannot reach the notebook"):
         lifeline.hold(f"127.0.0.1:{port}", connect_s=0.3)
+
+
+def test_collective_ledger_names_the_first_mismatch_and_keeps_it():
+    from mpilab.watchdog import CollectiveLedger
+
+    def beat(recent, **now):
+        return {"recent": [[seq, op, size] for seq, op, size in recent], **now}
+
+    ledger = CollectiveLedger()
+    agree = {r: beat([(1, "allreduce", 64), (2, "allreduce", 64)]) for r in range(3)}
+    assert ledger.mismatch(agree) is None
+    # rank 2 moves on to #3 as a broadcast while ranks 0 and 1 sit in allreduce #3
+    later = dict(agree)
+    later[0] = beat([(2, "allreduce", 64)], phase="collective", seq=3, op="allreduce",
+                    op_nbytes=64)
+    later[1] = beat([(2, "allreduce", 64)], phase="collective", seq=3, op="allreduce",
+                    op_nbytes=64)
+    later[2] = beat([(2, "allreduce", 64), (3, "broadcast", 8)])
+    assert ledger.mismatch(later) == (
+        "mismatched collectives: rank 0 in allreduce #3 (64 bytes), "
+        "rank 1 in allreduce #3 (64 bytes), rank 2 in broadcast #3 (8 bytes)")
+    # a mismatch stays found after the ranks' windows moved past it
+    moved = {r: beat([(9, "allreduce", 64)]) for r in range(3)}
+    assert "rank 2 in broadcast #3" in ledger.mismatch(moved)
