@@ -238,7 +238,8 @@ def test_batch_job_under_mpiexec_with_a_hostfile(emulated_cluster, hostfile, tmp
         "model = mpilab.DataParallel(torch.nn.Linear(8, 1))\n"
         "model(torch.ones(4, 8)).sum().backward()\n"
         "x = mpilab.allreduce(torch.ones(3))\n"
-        "print(ctx.rank, socket.gethostname(), x.tolist(), flush=True)\n")
+        # one write per line: print's pieces may reach mpiexec apart when unbuffered
+        "print(f'{ctx.rank} {socket.gethostname()} {x.tolist()}', flush=True)\n")
     mpiexec = str(REPO / ".venv/bin/mpiexec")
     done = subprocess.run([mpiexec, "-f", str(hostfile), "-n", "4", sys.executable, str(script)],
                           capture_output=True, text=True, timeout=180,
