@@ -65,10 +65,11 @@ def main() -> int:
     import mpilab
     from mpilab.rank import bench
     from mpilab.rank.waiting import wait_interruptibly
+    from mpilab.wire import parse_sizes
 
     ctx = mpilab.init()
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    sizes = bench.parse_sizes(args.sizes)
+    sizes = parse_sizes(args.sizes)
     load_before = os.getloadavg()
     # allreduce: with the memory bound timed in turn with the collectives (bench.py)
     rows = {op: bench.run_bench(op, sizes, list(NAMES) + (["memory"] if op == "allreduce"

@@ -121,12 +121,13 @@ def test_a_released_planned_wait_and_recovery(plans: list) -> None:
 
 def test_span_rows_and_shape_text_match_the_records_they_replace() -> None:
     import torch
+    from mpilab import wire
     from mpilab.rank import agent as agent_mod
 
     record = {"k": "span", "r": 0, "t": 2.5, "name": "allreduce", "cat": "comm", "ts": 2.0,
               "dur": 0.5, "nbytes": 64, "seq": 7}
-    assert agent_mod.tabulate(0, [("allreduce", 2.0, 2.5, 64, 7)]) == \
-        agent_mod.tabulate(0, [record])
+    assert wire.tabulate(0, [("allreduce", 2.0, 2.5, 64, 7)]) == \
+        wire.tabulate(0, [record])
     assert agent_mod.shape_text(torch.Size([2, 3])) == "2x3"
     assert agent_mod.shape_text(()) == "scalar"
     assert agent_mod.shape_text("buckets=2") == "buckets=2"

@@ -209,7 +209,7 @@ def test_interrupt_lands_and_later_calls_say_why():
 
 
 def test_parse_sizes():
-    from mpilab.rank.bench import parse_sizes
+    from mpilab.wire import parse_sizes
 
     assert parse_sizes("4K:64M") == [4096 << k for k in range(15)]
     assert parse_sizes("1M") == [1 << 20]

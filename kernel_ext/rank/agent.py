@@ -25,16 +25,7 @@ import time
 from dataclasses import dataclass, field
 from threading import get_ident
 
-# the channel's schema and its encoder; TABLES, MAX_TABLE_ROWS, table_rows and tabulate
-# stay importable from here for the rank-side code and tests that name them
-from ..wire import (  # noqa: F401
-    HEARTBEAT,
-    MAX_TABLE_ROWS,
-    TABLES,
-    encode,
-    table_rows,
-    tabulate,
-)
+from ..wire import HEARTBEAT, encode  # the channel's schema and its encoder
 
 HEARTBEAT_INTERVAL_S = 0.5
 # Records leave in batches at wall-clock multiples of this, the same moments on every

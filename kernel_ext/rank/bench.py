@@ -31,8 +31,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..wire import BENCH_BACKENDS as BACKENDS
-from ..wire import parse_backends, parse_sizes  # noqa: F401 - the bench's names
+from ..wire import check_backends
 from .context import context
 from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
@@ -90,9 +89,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
 
     if op not in COLLECTIVES:
         raise ValueError(f"bench op {op!r} is not one of {', '.join(COLLECTIVES)}")
-    unknown = [b for b in backends if b not in BACKENDS]
-    if unknown:
-        raise ValueError(f"bench backend {unknown[0]!r} is not one of {', '.join(BACKENDS)}")
+    check_backends(backends)
     ctx = context()
     comm, n = ctx.comm, ctx.world_size
     rows: list[dict] = []

@@ -16,7 +16,7 @@ from ..wire import BENCH_RESULT_PREFIX
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark on this rank; 2 when OP, SIZES or BACKENDS is not understood."""
-    from .bench import parse_backends, parse_sizes
+    from ..wire import parse_backends, parse_sizes
     from .bootstrap import init
     from .engine import bench_here
 

@@ -20,7 +20,7 @@ from . import agent as agent_mod
 from .context import BootstrapError, RankContext, context, is_initialized, set_context
 
 __all__ = ["BootstrapError", "RankContext", "context", "init", "is_initialized",
-           "gpu_spec", "parse_gpus", "choose_backend", "gpu_for_rank", "placement_error"]
+           "parse_gpus", "choose_backend", "gpu_for_rank", "placement_error"]
 
 StartHook = Callable[[RankContext], None]
 

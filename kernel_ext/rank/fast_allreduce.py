@@ -81,7 +81,7 @@ class Plan:
         self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
         size = self.between.Get_size() if self.between is not None else 0
         # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
-        self.exchange = size > 1 and size & (size - 1) == 0
+        self.exchange = size > 1 and _power_of_two(size)
         self._scratch = np.empty(0, dtype=np.uint8)
 
     def scratch(self, like: np.ndarray) -> np.ndarray:
@@ -167,12 +167,15 @@ def _make_plan(comm) -> Plan:
         if leaders == MPI.COMM_NULL:
             leaders = None
     peers = None
-    if shared and nodes > 1 and nodes & (nodes - 1) == 0 and \
-            comm.allreduce(node_comm.Get_size(), op=MPI.MIN) == \
-            comm.allreduce(node_comm.Get_size(), op=MPI.MAX):
+    if shared and nodes > 1 and _power_of_two(nodes) and \
+            len(set(comm.allgather(node_comm.Get_size()))) == 1:  # every node as full
         peers = comm.Split(node_rank, comm.Get_rank())
     between = leaders if shared else comm.Dup()
     return Plan(shared, node, node_comm, leaders, nodes > 1, between, peers)
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False) -> None:

@@ -184,21 +184,15 @@ class ShmEngine:
         return epoch
 
     def barrier(self) -> None:
-        epoch = self.arrive()
-        sig = self._sig
-        for flag, sigs in self._others:
-            if flag[0] < epoch:
-                _wait_flag(flag, epoch)
-            if sigs[epoch & 3] != sig:
-                _mismatched()
+        self._wait_arrivals(self.arrive())
         self._owed = 0  # every flag is past it now
         if FENCES:
             self.win.Sync()  # acquire: read the others' slots only after their flags
 
     def _wait_arrivals(self, epoch: int) -> None:
-        """A broadcast's root: wait until every receiver has arrived at `epoch` (not for
-        their copies: they arrive before they copy), checking that they are in this
-        broadcast. The receivers arrive as they start, so this seldom waits."""
+        """Wait until every other rank has arrived at `epoch`, checking that it is in the
+        same collective (a barrier; a broadcast's root, which waits for the receivers'
+        arrivals, not their copies: they arrive before they copy)."""
         sig = self._sig
         for flag, sigs in self._others:
             if flag[0] < epoch:
@@ -220,8 +214,11 @@ class ShmEngine:
         """At the start of a collective: the wait a broadcast left owing. Every other
         rank has then arrived where this one did, so it has read what it was to read of
         the slot parity about to be written (the reads of a use end before the next
-        arrival), and no rank gets more than one epoch ahead."""
+        arrival), and no rank gets more than one epoch ahead. Nothing owed: nothing to do
+        (the hot paths test `_owed` before calling)."""
         owed, sig = self._owed, self._owed_sig
+        if not owed:
+            return
         for flag, sigs in self._others:
             if flag[0] < owed:
                 _wait_flag(flag, owed)

@@ -57,9 +57,10 @@ class _Averaging(ModelWrapper):
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise ValueError(f"{name}: period must be a positive whole number of steps, "
                              f"got {period!r}")
-        if backend not in torch_group.TRANSPORTS:
-            raise ValueError(f"{name}: backend {backend!r} is not one of "
-                             f"{', '.join(torch_group.TRANSPORTS)}")
+        try:
+            torch_group.check_transport(backend)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         ctx = context()
         self.module = model
         self.period = period

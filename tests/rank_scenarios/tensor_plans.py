@@ -13,6 +13,7 @@ from typing import Any
 import mpilab
 import numpy as np
 import torch
+from mpilab import wire
 from mpilab.rank import agent as agent_mod
 from mpilab.rank import collectives, waiting
 from mpilab.rank.fast_allreduce import plan_for
@@ -88,7 +89,7 @@ def main(ctx: Any, report: Any) -> None:
     mpilab.broadcast(m)
     mpilab.allgather(m)
     spans = [(rec["labels"], list(np.frombuffer(rec["data"]).reshape(-1, 5)[:, 3:]))
-             for rec in agent_mod.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
+             for rec in wire.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
     out["spans"] = [[labels, [[int(v) for v in row] for row in rows]] for labels, rows in spans]
     out["seq"] = probe.state.seq - seq0
     seen = []
