@@ -30,7 +30,7 @@ import numpy as np
 import plotly.graph_objects as go
 from IPython.display import display
 from mpilab.metrics_store import MetricsStore
-from mpilab.rank.agent import encode
+from mpilab.wire import encode
 from mpilab.widgets import Dashboard, LivePlot
 
 store = MetricsStore(world_size=2)

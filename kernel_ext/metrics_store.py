@@ -105,10 +105,6 @@ class MetricsStore:
             return False
         return self.add_messages(messages) == 0
 
-    def _file(self, record, now: float, monotonic_now: float) -> bool:
-        """File one record as it arrived (the lock is held)."""
-        return self._file_all([record], now, monotonic_now) == 0
-
     def _file_all(self, records: list, now: float, monotonic_now: float) -> int:
         """File records as they arrived, in order but for the blocks of rows, which go
         first (an event such as a cell's end follows the rows before it); returns how

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .wire import MAX_TABLE_ROWS, ROWS, SENT_KINDS, TABLES, fields_fit
+from .wire import MAX_TABLE_ROWS, NUMBER, ROWS, SENT_KINDS, TABLES, fields_fit
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,6 @@ def _check(kind: str) -> TableCheck:
 
 
 CHECKS = {kind: _check(kind) for kind in TABLES}
-_NUMBERS = (int, float)  # decoded msgpack: exactly these types (a bool is no number)
 
 
 def well_formed(record, world_size: int) -> bool:
@@ -55,7 +54,7 @@ def well_formed(record, world_size: int) -> bool:
     if kind == ROWS:  # most records: checked here without the general loop of fields_fit
         of, labels, data = record.get("of"), record.get("labels"), record.get("data")
         check = CHECKS.get(of) if type(of) is str else None
-        return (check is not None and type(record.get("t")) in _NUMBERS
+        return (check is not None and type(record.get("t")) in NUMBER
                 and type(labels) is list and len(labels) == check.labels
                 and all(type(label) is str for label in labels)
                 and type(data) is bytes and _whole_rows(data, check))

@@ -55,13 +55,6 @@ class RowTable:
     def limit(self) -> int:
         return self.budget.limit
 
-    def append(self, rows: np.ndarray, now: float) -> None:
-        """Add rows filed at `now`."""
-        filed = np.empty((len(rows), self.data.shape[1]))
-        filed[:, :-1] = rows
-        filed[:, -1] = now
-        self.put(filed)
-
     def put(self, rows: np.ndarray) -> None:
         """Add rows that end with their filing time (the store makes a round's at once)."""
         limit = self.budget.limit

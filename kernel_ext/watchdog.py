@@ -129,13 +129,14 @@ def _history(hb: dict) -> dict[int, tuple[str, int]]:
 _DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(|\.backward\(")
 
 
-def death_cause(host: str, pid: int, launcher_output: str) -> str:
-    """'killed by signal 9 (SIGKILL)' / 'exited with code 3', as the supervisor of the
-    rank with this pid on this host reported it (mpilab.wire's exit report)."""
+def reported_causes(launcher_output: str) -> dict[tuple[str, int | None], str]:
+    """(host, pid) -> 'killed by signal 9 (SIGKILL)' / 'exited with code 3', as each
+    rank's supervisor reported it (mpilab.wire's exit report; the first report of a
+    process counts)."""
+    causes: dict[tuple[str, int | None], str] = {}
     for report in exit_reports(launcher_output):
-        if report.pid == pid and report.host == host:
-            return report.cause
-    return UNKNOWN_CAUSE
+        causes.setdefault((report.host, report.pid), report.cause)
+    return causes
 
 
 class Watchdog:
@@ -184,9 +185,7 @@ class Watchdog:
                 dead[rank] = self._cause(rank)
             remote = [r for r in self.ranks if r not in self._procs and r in self._info]
             if remote:  # their supervisors' reports reach the launcher's output
-                reported: dict[tuple[str, int | None], str] = {}
-                for report in exit_reports(self.cluster.engine_output(lines=200)):
-                    reported.setdefault((report.host, report.pid), report.cause)
+                reported = reported_causes(self.cluster.engine_output(lines=200))
                 for rank in remote:
                     info = self._info[rank]
                     cause = reported.get((info["host"], info["pid"]))
@@ -211,7 +210,8 @@ class Watchdog:
         info = self._info[rank]
         deadline = time.monotonic() + MPIEXEC_REPORT_WAIT_S
         while True:
-            cause = death_cause(info["host"], info["pid"], self.cluster.engine_output(lines=200))
+            output = self.cluster.engine_output(lines=200)
+            cause = reported_causes(output).get((info["host"], info["pid"]), UNKNOWN_CAUSE)
             if cause != UNKNOWN_CAUSE or time.monotonic() > deadline:
                 return cause
             time.sleep(0.1)

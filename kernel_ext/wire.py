@@ -234,9 +234,17 @@ def parse_sizes(spec: str) -> list[int]:
 
 
 def parse_backends(spec: str) -> list[str]:
-    """'mpi, gloo' → ['mpi', 'gloo'] (names are checked by run_bench)."""
-    return [b.strip() for b in spec.split(",") if b.strip()]
+    """'mpi, gloo' → ['mpi', 'gloo'], each checked (check_backends)."""
+    return check_backends([b.strip() for b in spec.split(",") if b.strip()])
 
+
+def check_backends(backends: list[str]) -> list[str]:
+    """The bench's backends as given; ValueError naming the first one it does not know."""
+    unknown = [b for b in backends if b not in BENCH_BACKENDS]
+    if unknown:
+        raise ValueError(f"bench backend {unknown[0]!r} is not one of "
+                         f"{', '.join(BENCH_BACKENDS)}")
+    return backends
 
 
 # -- the ranks' GPUs ---------------------------------------------------------------------------

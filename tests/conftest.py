@@ -23,23 +23,24 @@ def cluster_pids(kernel: Kernel) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="session")
-def fresh_kernel():
-    """A kernel with the extension loaded and no cluster; for bad-input tests."""
+def _extension_kernel():
+    """A kernel with the extension loaded; whatever it started is stopped at the end."""
     kernel = Kernel()
     assert kernel.run("%load_ext mpilab").ok
     yield kernel
     kernel.run("%mpilab stop")
     kernel.shutdown()
+
+
+@pytest.fixture(scope="session")
+def fresh_kernel():
+    """A kernel with the extension loaded and no cluster; for bad-input tests."""
+    yield from _extension_kernel()
 
 
 @pytest.fixture(scope="session")
 def _ranks_kernel():
-    kernel = Kernel()
-    assert kernel.run("%load_ext mpilab").ok
-    yield kernel
-    kernel.run("%mpilab stop")
-    kernel.shutdown()
+    yield from _extension_kernel()
 
 
 READY_CODE = """

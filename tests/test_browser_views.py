@@ -251,7 +251,8 @@ import os, threading, time
 import numpy as np
 from IPython.display import display
 from mpilab.metrics_store import MetricsStore
-from mpilab.rank.agent import Agent, encode
+from mpilab.rank.agent import Agent
+from mpilab.wire import encode
 from mpilab.widgets import Dashboard, StatusTable
 from mpilab.widgets.rank_output import RankOutputs
 

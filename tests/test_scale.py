@@ -82,6 +82,11 @@ def test_a_thousand_ranks_long_run_stays_within_the_stated_cap():
             assert len(rows.data) <= 2 * limit  # every rank's buffer, allocated
 
 
+def _send(store: MetricsStore, record: dict) -> None:
+    """One message of one record, filed as the receiver files a round."""
+    assert store.add_messages([msgpack.packb(record, use_bin_type=True)]) == 0
+
+
 def test_the_cap_holds_as_ranks_join_and_the_budget_shrinks():
     """Tables made early grow under a larger share; when more ranks' tables come the
     share shrinks and their arrays shrink at their next rows."""
@@ -90,23 +95,23 @@ def test_the_cap_holds_as_ranks_join_and_the_budget_shrinks():
     rows[:, 0] = T0
     for step in range(2000):  # rank 0 alone: its share is max_per_rank, capped by max_rows
         rows[:, 1] = np.arange(50 * step, 50 * step + 50)
-        store._file({"k": "rows", "r": 0, "t": T0, "of": "step", "labels": [],
-                     "data": rows.tobytes()}, T0, 0.0)
+        _send(store, {"k": "rows", "r": 0, "t": T0, "of": "step", "labels": [],
+                      "data": rows.tobytes()})
     assert len(store.records("step", rank=0)) == 20_000
     for rank in range(1, 64):  # 64 tables: 312 rows each now (MIN_TABLE_ROWS is 250)
         for _ in range(10):
-            store._file({"k": "rows", "r": rank, "t": T0, "of": "step", "labels": [],
-                         "data": rows.tobytes()}, T0, 0.0)
-    store._file({"k": "rows", "r": 0, "t": T0, "of": "step", "labels": [],
-                 "data": rows.tobytes()}, T0, 0.0)
+            _send(store, {"k": "rows", "r": rank, "t": T0, "of": "step", "labels": [],
+                          "data": rows.tobytes()})
+    _send(store, {"k": "rows", "r": 0, "t": T0, "of": "step", "labels": [],
+                  "data": rows.tobytes()})
     assert store.table_bytes() <= store.table_cap() == 2 * 20_000 * TABLE_BYTES_PER_ROW
     assert len(store.records("step", rank=0)) == 20_000 // 64
     # a block larger than what is kept: its newest rows, numbered as sent
     big = np.zeros((1000, 7))
     big[:, 0] = T0
     big[:, 1] = np.arange(1000)
-    store._file({"k": "rows", "r": 5, "t": T0, "of": "step", "labels": [],
-                 "data": big.tobytes()}, T0, 0.0)
+    _send(store, {"k": "rows", "r": 5, "t": T0, "of": "step", "labels": [],
+                  "data": big.tobytes()})
     kept = [rec["step"] for rec in store.records("step", rank=5)]
     assert kept == list(range(1000 - 312, 1000))
     assert store._tables["step"][(5, ())].end == 10 * 50 + 1000

@@ -27,6 +27,7 @@ import uuid
 
 import anywidget
 import traitlets
+from mpilab.selection import format_ranks
 
 from .plotting import WIDGET_VIEW_MIME
 
@@ -279,10 +280,4 @@ def _ranks_text(ranks: list[int]) -> str:
     """0, 1, 2, 3 (up to 8 ranks), or runs: 0-255 (256 ranks), 0-2, 4-9."""
     if len(ranks) <= 8:
         return ", ".join(map(str, ranks))
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+    return format_ranks(ranks).replace(",", ", ")
