@@ -498,8 +498,28 @@ class EmulatedCluster:
         """Cut `node` off the network (its veth end at the bridge goes down)."""
         _sh("ip", "link", "set", self.node(node).link, "down")
 
-    def link_up(self, node: str) -> None:
-        _sh("ip", "link", "set", self.node(node).link, "up")
+    def link_up(self, node: str, timeout: float = 10) -> None:
+        """Put `node` back on the network and return once traffic passes: both veth ends
+        up, the bridge port forwarding, and the node's sshd reachable from the head side
+        (the link's carrier comes back a moment after `ip link set up` returns)."""
+        n = self.node(node)
+        _sh("ip", "link", "set", n.link, "up")
+
+        def passes() -> bool:
+            head_end = _sh("ip", "-o", "link", "show", "dev", n.link, check=False).stdout
+            node_end = _sh("ip", "-n", n.netns, "-o", "link", "show", "dev", "eth0",
+                           check=False).stdout
+            port = _sh("bridge", "-d", "link", "show", "dev", n.link, check=False).stdout
+            if not ("state UP" in head_end and "state UP" in node_end
+                    and "forwarding" in port):
+                return False
+            try:
+                socket.create_connection((n.address, 22), 0.5).close()
+            except OSError:
+                return False
+            return True
+
+        _wait_for(passes, timeout, f"{node}'s link to come back up")
 
     def slurm_env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.slurm_conf)}
