@@ -8,14 +8,21 @@ bridge, not a real NIC):
    4 KiB to 64 MiB, of `mpilab.allreduce(tensor)` (the public call: node-local shared
    memory, then MPI between the nodes), mpi4py's `Allreduce` and torch gloo's
    `dist.all_reduce`, interleaved in one run (every repeat runs the three in turn, the
-   order rotating, each with three untimed calls before its timed loop), median of the
-   slowest rank's time per repeat;
+   order rotating, each with three untimed calls before its timed loop of about 20 ms:
+   as many calls as fit, at most 1,000), median of the slowest rank's time per repeat;
 2. start-to-ready of 4 ranks through ssh (`mpiexec -f hostfile`) and through Slurm
    (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped, torch.distributed
    ready) against a bare ipyparallel cluster on the same launcher (engines registered),
    alternating, median.
 
     .venv/bin/python benchmarks/bench_multinode.py [--repeats 15] [--starts 3] [--no-start]
+                                                   [--bind-to core|none]
+
+The bandwidth run binds each rank to a core (`mpiexec -bind-to core`), as Slurm's task
+affinity and most MPI launchers do on real hosts. Here each emulated host's launcher
+binds its ranks to this machine's cores 0 and 1, so a rank of node1 shares a core with
+its peer of node2; unbound, the kernel moves 4 busy-polling ranks over 2 cores as it
+pleases and the small-message figures of every backend swing by ±30% between runs.
 
 Brings the emulated cluster up and down itself (root, Linux namespaces), or uses the one
 `python -m tests.cluster up` left running.
@@ -51,18 +58,19 @@ def measure_on_ranks(repeats: int) -> None:
     results: dict[tuple[str, int], list[float]] = {}
     for size in SIZES:
         count = size // 4
-        tensor = torch.ones(count)
-        array = np.ones(count, dtype=np.float32)
+        tensor = torch.zeros(count)  # zeros: sums repeated hundreds of times stay finite
+        array = np.zeros(count, dtype=np.float32)
         out = np.empty_like(array)
-        loops = max(1, min(50, (32 * MIB) // size))
         calls = {
             "mpilab": lambda t=tensor: mpilab.allreduce(t),
             "mpi4py": lambda a=array, o=out: comm.Allreduce(a, o),
             "gloo": lambda t=tensor: dist.all_reduce(t),
         }
+        loops = {}
         for name in BACKENDS:  # warm-up: plans, connections, pages
             for _ in range(3):
                 calls[name]()
+            loops[name] = _loops_for(calls[name], comm)
         for r in range(repeats):
             order = BACKENDS[r % 3:] + BACKENDS[:r % 3]
             for name in order:
@@ -70,9 +78,9 @@ def measure_on_ranks(repeats: int) -> None:
                     calls[name]()  # wake what that loop left idle (peers, connections)
                 comm.Barrier()
                 start = time.perf_counter()
-                for _ in range(loops):
+                for _ in range(loops[name]):
                     calls[name]()
-                took = (time.perf_counter() - start) / loops
+                took = (time.perf_counter() - start) / loops[name]
                 results.setdefault((name, size), []).append(comm.allreduce(took, op=_max()))
     nodes = len(set(comm.allgather(ctx.host)))
     if ctx.rank != 0:
@@ -88,6 +96,17 @@ def measure_on_ranks(repeats: int) -> None:
               + f"   {bw['mpilab'] / best:5.2f}x")
 
 
+def _loops_for(call, comm, sample_s: float = 0.02) -> int:
+    """Calls per timed sample: enough for about `sample_s` (a sample of a few calls of
+    50 µs is shorter than a scheduler's time slice, so its median is noise), the same
+    on every rank (the slowest rank's estimate)."""
+    start = time.perf_counter()
+    for _ in range(3):
+        call()
+    each = comm.allreduce((time.perf_counter() - start) / 3, op=_max())
+    return max(1, min(1000, round(sample_s / each)))
+
+
 def _max():
     from mpi4py import MPI
 
@@ -98,10 +117,12 @@ def _fmt(n: int) -> str:
     return f"{n // MIB}M" if n >= MIB else f"{n >> 10}K"
 
 
-def bandwidth(cluster, repeats: int) -> None:
+def bandwidth(cluster, repeats: int, bind: str) -> None:
     hostfile = cluster.hostfile(slots_per_node=2, nodes=("node1", "node2"))
     env = {**os.environ, **cluster.env()}
+    print(f"ranks bound: mpiexec -bind-to {bind}", flush=True)
     subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-f", str(hostfile),
+                    "-bind-to", bind,
                     "-n", "4", sys.executable, __file__, "--on-ranks",
                     "--repeats", str(repeats)], env=env, check=True, timeout=1800)
 
@@ -175,6 +196,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--starts", type=int, default=3)
     parser.add_argument("--no-start", action="store_true", help="bandwidth only")
+    parser.add_argument("--bind-to", choices=("core", "none"), default="core",
+                        help="how mpiexec binds the bandwidth run's ranks (default: one "
+                        "core each, as Slurm and most MPI launchers do)")
     parser.add_argument("--on-ranks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.on_ranks:
@@ -185,7 +209,7 @@ def main() -> int:
     cluster = EmulatedCluster(("node1", "node2"))
     cluster.up()
     try:
-        bandwidth(cluster, args.repeats)
+        bandwidth(cluster, args.repeats, args.bind_to)
         if not args.no_start:
             start_times(cluster, args.starts)
     finally:

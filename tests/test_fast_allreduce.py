@@ -143,7 +143,12 @@ plan = fa.plan_for(comm)
 out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None,
        "spread": plan.peers is not None}
 failures, digests = [], []
-for count in (1, 3, 1000, fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1):
+# spread over full nodes: below SPLIT_MIN_BYTES whole buffers cross, from it each
+# rank's slice (odd counts: slices of unequal length), chunk by chunk (the last one
+# short). Leaders: pairwise up to EXCHANGE_MAX_BYTES, then Iallreduce.
+for count in (1, 3, 1000, fa.SPLIT_MIN_BYTES // 4 - 1, fa.SPLIT_MIN_BYTES // 4 + 3,
+              fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1,
+              (3 << 20) // 4 + 7):
     for op in ("sum", "max", "min"):
         x = ((np.arange(count) * 7 + r * 13) % 17 - 8).astype(np.float32)
         parts = [((np.arange(count) * 7 + q * 13) % 17 - 8) for q in range(n)]
@@ -161,10 +166,12 @@ report_in_turn(out)
 
 
 @pytest.mark.parametrize(("n", "exchange", "spread"),
-                         [(4, True, True), (7, True, False), (5, False, False)])
+                         [(4, True, True), (8, True, True), (7, True, False),
+                          (5, False, False)])
 def test_between_nodes_by_node_count_and_fill(n, exchange, spread):
-    # nodes of 2 emulated ranks. 4 ranks: 2 full nodes, so small messages go from every
-    # rank to its peer on the other node; 7 ranks: 4 leaders (one node holds 1 rank), so
+    # nodes of 2 emulated ranks. 4 ranks: 2 full nodes, so every rank reduces with its
+    # peer on the other node; 8 ranks: 4 full nodes (slices past EXCHANGE_MAX_BYTES go
+    # through the peers' Iallreduce); 7 ranks: 4 leaders (one node holds 1 rank), so
     # the leaders exchange up to EXCHANGE_MAX_BYTES; 5 ranks: 3 leaders, not a power of
     # two: MPI's Iallreduce
     results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})

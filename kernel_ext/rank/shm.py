@@ -281,6 +281,55 @@ class ShmEngine:
                 self._broken = True
                 raise
 
+    def split_allreduce(self, arr: np.ndarray, op: str,
+                        across: Callable[[np.ndarray], None]) -> None:
+        """Reduce `arr` (at most one chunk) across the node and, slice by slice, across
+        the nodes: each rank reduces the slice it owns over the node's slots, hands it
+        to `across` (which reduces it in place with the same slice on the other nodes),
+        and publishes it; then every rank gathers the others' slices. So each rank
+        sends only its share of the message between nodes. Every node must hold as many
+        ranks (the same node rank owns the same slice everywhere).
+
+        The single-chunk case of _rsag, with its slot views made once per size: the
+        same slot reuse rule holds (see the module's docstring)."""
+        if arr.nbytes > self.chunk_bytes:
+            raise ValueError(f"split_allreduce takes at most {self.chunk_bytes} bytes, "
+                             f"not {arr.nbytes}")
+        self._run(self._split, arr, UFUNCS[op], across, signature(op, arr.nbytes))
+
+    def _split(self, arr: np.ndarray, ufunc, across, sig: int) -> None:
+        me = self.rank
+        edges, views = self._split_views(arr.dtype, arr.size)
+        self._use += 1
+        slots = views[self._use & 1]
+        lo, hi = edges[me], edges[me + 1]
+        mine, published = arr[lo:hi], slots[me][lo:hi]
+        self._sig = sig
+        if self._owed:
+            self._settle()
+        if lo:
+            np.copyto(slots[me][:lo], arr[:lo])
+        if hi < arr.size:
+            np.copyto(slots[me][hi:], arr[hi:])
+        self.barrier()
+        if hi > lo:  # the owner alone computes its slice: identical bits everywhere
+            for r in self._other_ranks:
+                ufunc(mine, slots[r][lo:hi], out=mine)
+            across(mine)
+            np.copyto(published, mine)
+        self.barrier()
+        for r in self._other_ranks:
+            if edges[r + 1] > edges[r]:
+                np.copyto(arr[edges[r]:edges[r + 1]], slots[r][edges[r]:edges[r + 1]])
+
+    def _split_views(self, dtype: np.dtype, count: int
+                     ) -> tuple[list[int], tuple[list[np.ndarray], ...]]:
+        """Slice edges (on cache lines, as _rsag's) and every rank's slot views, per
+        parity, for `count` elements of `dtype`."""
+        unit = max(1, CACHE_LINE // dtype.itemsize)
+        edges = [count * r // self.size // unit * unit for r in range(self.size)] + [count]
+        return edges, self._views(dtype, count)
+
     def small_allreduce(self, dtype: np.dtype, count: int, op: str,
                         ) -> Callable[[np.ndarray], None] | None:
         """allreduce(arr, op) for arrays of `count` elements of `dtype`, with what it
