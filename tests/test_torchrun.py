@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import nbformat
-from listeners import listeners_of
+from listeners import is_hydra, listeners_of
 from mpilab.rank import torchrun
 from mpirun import run_ranks
 
@@ -133,8 +133,8 @@ def test_ddp_tutorial_runs_unchanged_and_again(ranks):
             assert f"Finished running basic DDP example on rank {r}." in run.stdout
     # the user's MASTER_PORT opened nothing: every rank still listens on loopback only,
     # and nobody on 12355
-    found = [x for x in listeners_of(ranks.km.provisioner.process.pid)
-               if "--mpilab-engine-child" in x.command]
+    found = [x for x in listeners_of(ranks.km.provisioner.process.pid)  # the engines'
+             if "mpilab.rank." in x.command and not is_hydra(x)]
     assert found and all(x.ip == "127.0.0.1" for x in found), found
     assert all(x.port != 12355 for x in found), found
     # destroy_process_group() left the next cell a working group, mpilab's included

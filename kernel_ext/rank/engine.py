@@ -11,10 +11,31 @@ import linecache
 import os
 import re
 import signal
+import sys
 import threading
 import traceback
 
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
+
+
+def run(argv: list[str]) -> None:
+    """Run the ipyparallel engine with `argv`, in a process that dies with its parent
+    (its supervisor, or its host's spawner), importing torch while it registers."""
+    _die_with_parent()
+    preload()
+    from ipyparallel.engine.app import main
+
+    sys.argv = [sys.argv[0], *argv]
+    main()
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def preload() -> None:

@@ -8,7 +8,9 @@ launcher's output, which is where the notebook reads "rank 1 (pid N on node2) di
 killed by signal 9" from; mpiexec's own report names whichever process it noticed
 first. Before the engine starts, the supervisor closes the listening sockets it
 inherited from the launcher and keeps MPI's network transport on the interface the
-ranks share. The engine child imports torch on a thread while ipyparallel registers it.
+ranks share. Where the host runs several ranks, the engine is forked by the host's
+spawner (mpilab.rank.spawner: torch imported once per host), else it is this process's
+child, a fresh interpreter that imports torch on a thread while ipyparallel registers it.
 """
 
 from __future__ import annotations
@@ -20,37 +22,17 @@ import sys
 import time
 
 from mpilab import lifeline
+from mpilab.rank import spawner
 from mpilab.wire import exit_report
 
 WATCH_INTERVAL_S = 0.25
+ENGINE_END_WAIT_S = 5.0  # for a killed engine to be reaped
 _CHILD_FLAG = "--mpilab-engine-child"
 
 
 def report(pid: int | None, cause: str) -> str:
     """The line the notebook's watchdog reads from the launcher's output."""
     return exit_report(pid, cause).line()
-
-
-def _die_with_parent() -> None:
-    """The engine must not outlive its supervisor (mpiexec's cleanup kills the latter)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def run_engine(argv: list[str]) -> None:
-    _die_with_parent()
-    from mpilab.rank.engine import preload
-
-    preload()
-    from ipyparallel.engine.app import main
-
-    sys.argv = [sys.argv[0], *argv]
-    main()
 
 
 def close_inherited_listeners() -> None:
@@ -118,6 +100,43 @@ def _end_group(child: int) -> None:
             pass
 
 
+class ChildEngine:
+    """The engine as this supervisor's own child: a fresh interpreter (where no spawner
+    serves this host, mpilab.rank.spawner)."""
+
+    def __init__(self, argv: list[str], held: lifeline.Holder | None):
+        self.pid = os.fork()
+        if self.pid == 0:
+            if held is not None:
+                os.close(held.fileno())
+            os.execv(sys.executable, [sys.executable, "-m", "mpilab.rank.supervisor",
+                                      _CHILD_FLAG, *argv])
+
+    def poll(self) -> int | None:
+        """The engine's wait status once it ended, else None."""
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return 1 << 8  # reaped elsewhere: say it exited with code 1
+        return status if pid else None
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while (status := self.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return status
+
+
+def describe(status: int) -> tuple[str, int]:
+    """A wait status as the exit report's cause and this supervisor's exit code."""
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
+        return f"killed by signal {sig} ({name})", 128 + sig
+    code = os.WEXITSTATUS(status)
+    return f"exited with code {code}", code
+
+
 def supervise(argv: list[str]) -> int:
     try:
         held = lifeline.hold()
@@ -128,42 +147,27 @@ def supervise(argv: list[str]) -> int:
     devices = mpi_net_devices(os.environ.get(lifeline.ENV))
     if devices:
         os.environ["UCX_NET_DEVICES"] = devices
-    child = os.fork()
-    if child == 0:
-        if held is not None:
-            os.close(held.fileno())
-        os.execv(sys.executable, [sys.executable, "-m", "mpilab.rank.supervisor",
-                                  _CHILD_FLAG, *argv])
+    engine = (spawner.spawn(argv) if spawner.wanted() else None) or ChildEngine(argv, held)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, lambda signum, frame: os.kill(child, signum))
-    while True:
-        try:
-            pid, status = os.waitpid(child, os.WNOHANG)
-        except ChildProcessError:
-            return 1
-        if pid:
-            break
+        signal.signal(sig, lambda signum, frame: os.kill(engine.pid, signum))
+    while (status := engine.poll()) is None:
         gone = held.notebook_gone(wait=WATCH_INTERVAL_S) if held else None
         if gone:  # the notebook is gone: so are its ranks
-            _end_group(child)
-            os.waitpid(child, 0)
-            print(report(child, f"ended: {gone}"), file=sys.stderr, flush=True)
+            _end_group(engine.pid)
+            engine.wait(ENGINE_END_WAIT_S)
+            print(report(engine.pid, f"ended: {gone}"), file=sys.stderr, flush=True)
             return 1
         if held is None:
             time.sleep(WATCH_INTERVAL_S)
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else "?"
-        cause, code = f"killed by signal {sig} ({name})", 128 + sig
-    else:
-        code = os.WEXITSTATUS(status)
-        cause = f"exited with code {code}"
-    print(report(child, cause), file=sys.stderr, flush=True)
+    cause, code = describe(status)
+    print(report(engine.pid, cause), file=sys.stderr, flush=True)
     return code
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [_CHILD_FLAG]:
-        run_engine(sys.argv[2:])
+        from mpilab.rank.engine import run
+
+        run(sys.argv[2:])
     else:
         sys.exit(supervise(sys.argv[1:]))

@@ -1,0 +1,374 @@
+"""One process per host that forks that host's engines with torch already imported.
+
+Why: every engine imports torch, torch.distributed and, for its warm-up, torch._dynamo:
+about two seconds of CPU each. On a host with more ranks than cores those imports run
+in series (16 ranks on 2 cores: most of the start), and even with a core each they are
+the same work done N times. Here the host's first supervisor starts a spawner that does
+the imports once; each supervisor (one per rank, started by mpiexec) hands it what its
+engine must inherit and gets back the pid of a forked engine, then its exit status.
+
+What an engine inherits from its supervisor, sent over a Unix socket: argv, the
+environment, the working directory, and open files passed as descriptors (stdin, stdout
+and stderr, so the engine writes where the launcher reads, and MPI's PMI socket at the
+number PMI_FD names; MPI itself is initialised only in the engine). The forked engine
+gets fresh random seeds (Python's and NumPy's global streams would otherwise repeat the
+spawner's on every rank) and dies with the spawner.
+
+The spawner listens on an abstract Unix socket (no file; scoped to the host's network
+namespace) named for the user, the launcher's proxy on this host and the notebook's
+lifeline, so only the ranks of one start on one host share it. It ends when none of its
+engines lives and no supervisor is connected: a supervisor that goes closes its
+connection and the spawner kills that supervisor's engine. Where the spawner cannot start
+or does not answer, the supervisor starts its engine as a fresh interpreter instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+import traceback
+
+ENV = "MPILAB_SPAWNER"  # "0": every engine starts as a fresh interpreter
+CONNECT_S = 5.0  # trying to reach (or start) the spawner
+ANSWER_S = 120.0  # for the spawner's imports and the fork (16 ranks on 2 cores: ~10 s)
+_HEADER = struct.Struct("!I")
+# what the engines import before their first cell (and the warm-up's optimizer import)
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "numpy",
+           "ipyparallel.engine.app", "mpilab.rank.engine", "mpilab.rank.bootstrap",
+           "mpilab.rank.warmup", "mpilab.rank.torchrun")
+
+
+def wanted(environ=os.environ) -> bool:
+    """Use a spawner where this host runs several ranks of a launch (MPICH's hydra
+    says how many: MPI_LOCALNRANKS) and the user did not turn it off."""
+    if environ.get(ENV, "1").strip() == "0":
+        return False
+    try:
+        return int(environ.get("MPI_LOCALNRANKS", "1")) > 1
+    except ValueError:
+        return False
+
+
+def socket_name(environ=os.environ) -> bytes:
+    """The abstract socket name the ranks of one launch on one host share."""
+    key = f"{os.getuid()}:{os.getppid()}:{environ.get('MPILAB_LIFELINE', '')}"
+    return b"\0mpilab-spawner-" + hashlib.sha1(key.encode()).hexdigest()[:16].encode()
+
+
+# -- messages: a length, then JSON ---------------------------------------------------------
+def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        socket.send_fds(sock, [_HEADER.pack(len(data)) + data], fds)
+    else:
+        sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
+    """One message and the descriptors that came with it; (None, []) at end of stream."""
+    data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 16)
+    if not data:
+        return None, fds
+    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack(
+            data[:_HEADER.size])[0]:
+        more = sock.recv(1 << 16)
+        if not more:
+            return None, fds
+        data += more
+    (length,) = _HEADER.unpack(data[:_HEADER.size])
+    return json.loads(data[_HEADER.size:_HEADER.size + length]), fds
+
+
+# -- the supervisor's side -----------------------------------------------------------------
+class SpawnedEngine:
+    """An engine the spawner forked for this supervisor: its pid, and its exit status
+    (a wait status, as os.waitpid gives) when the spawner reports it."""
+
+    def __init__(self, sock: socket.socket, pid: int):
+        self._sock = sock
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        """The engine's wait status once it ended, else None. A spawner that went away
+        took the engine with it (it dies with its parent, by SIGKILL)."""
+        self._sock.setblocking(False)
+        try:
+            message, _ = _receive(self._sock)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            message = None
+        finally:
+            self._sock.setblocking(True)
+        if message is None or "status" not in message:
+            return signal.SIGKILL
+        return int(message["status"])
+
+    def wait(self, timeout: float) -> int | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.poll()
+            if status is not None:
+                return status
+            time.sleep(0.02)
+        return None
+
+
+def spawn(argv: list[str]) -> SpawnedEngine | None:
+    """Ask this host's spawner (starting it if nobody has) for an engine run with `argv`;
+    None where that fails, and the caller starts the engine itself."""
+    name = socket_name()
+    deadline = time.monotonic() + CONNECT_S
+    while time.monotonic() < deadline:
+        sock = _connect(name)
+        if sock is None:
+            if _start_spawner(name):
+                continue
+            time.sleep(0.05)  # another supervisor is starting it
+            continue
+        engine = _request(sock, argv)
+        if engine is not None:
+            return engine
+        sock.close()
+    return None
+
+
+def _connect(name: bytes) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect(name)
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def _start_spawner(name: bytes) -> bool:
+    """Bind the name (only one supervisor of the host can) and start the spawner on
+    it, in a session of its own (the launcher's signals to this rank are not its)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(name)
+    except OSError:
+        listener.close()
+        return False
+    listener.listen(1024)
+    try:
+        with open(os.devnull, "r+b") as null:
+            subprocess.Popen(
+                [sys.executable, "-m", "mpilab.rank.spawner", str(listener.fileno())],
+                stdin=null, stdout=null, stderr=null, pass_fds=(listener.fileno(),),
+                start_new_session=True)
+    except OSError:
+        return False
+    finally:
+        listener.close()
+    return True
+
+
+def _request(sock: socket.socket, argv: list[str]) -> SpawnedEngine | None:
+    fds = [0, 1, 2]
+    pmi = os.environ.get("PMI_FD", "")
+    if pmi.isdigit():
+        fds.append(int(pmi))
+    sock.settimeout(ANSWER_S)
+    try:
+        _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                     "fds": fds}, fds)
+        answer, _ = _receive(sock)
+    except OSError:
+        return None
+    finally:
+        sock.settimeout(None)
+    if not answer or "pid" not in answer:
+        return None
+    return SpawnedEngine(sock, int(answer["pid"]))
+
+
+# -- the spawner ---------------------------------------------------------------------------
+class Spawner:
+    def __init__(self, listener: socket.socket):
+        self.listener = listener
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(listener, selectors.EVENT_READ)
+        self.engine_of: dict[socket.socket, int] = {}  # a supervisor's connection: its engine
+        self.served = 0
+
+    def run(self) -> None:
+        while True:
+            for key, _ in self.selector.select(timeout=0.1):
+                if key.fileobj is self.listener:
+                    conn, _ = self.listener.accept()
+                    self.selector.register(conn, selectors.EVENT_READ)
+                else:
+                    self._serve(key.fileobj)
+            self._reap()
+            if self.served and not self.engine_of and not self._waiting():
+                return
+
+    def _waiting(self) -> bool:
+        """Connections that have not asked for an engine yet, or pending ones."""
+        if len(self.selector.get_map()) > 1:
+            return True
+        return bool(self.selector.select(timeout=0))
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            request, fds = _receive(conn)
+        except OSError:
+            request, fds = None, []
+        if request is None or conn in self.engine_of:  # gone, or a second request
+            for fd in fds:
+                os.close(fd)
+            self._drop(conn)
+            return
+        try:
+            pid = self._fork(request, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.served += 1
+        self.engine_of[conn] = pid
+        try:
+            _send(conn, {"pid": pid})
+        except OSError:
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        """A supervisor went: its engine (and what the engine started) goes too."""
+        self.selector.unregister(conn)
+        pid = self.engine_of.pop(conn, None)
+        conn.close()
+        if pid is not None:
+            _kill_tree(pid)
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if not pid:
+                return
+            for conn, engine in list(self.engine_of.items()):
+                if engine == pid:
+                    del self.engine_of[conn]
+                    try:
+                        _send(conn, {"status": status})
+                    except OSError:
+                        pass
+
+    def _fork(self, request: dict, fds: list[int]) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            self._become_engine(request, fds)
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except BaseException:  # noqa: BLE001 - the engine's own stderr says why
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # noqa: BLE001
+                    pass
+            os._exit(code)
+
+    def _become_engine(self, request: dict, fds: list[int]) -> None:
+        # nothing of the spawner's stays open in the engine
+        for conn in list(self.engine_of) + [self.listener]:
+            os.close(conn.detach())
+        for key in list(self.selector.get_map().values()):
+            if isinstance(key.fileobj, socket.socket) and key.fileobj.fileno() >= 0:
+                os.close(key.fileobj.detach())
+        self.selector.close()
+        # the supervisor's descriptors at the numbers the supervisor had them
+        import fcntl
+
+        moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
+        for fd in fds:
+            os.close(fd)
+        fds.clear()  # the caller closes nothing more
+        for source, target in zip(moved, request["fds"]):
+            os.dup2(source, target)
+            os.close(source)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in (signal.SIGTERM, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        _reseed()
+        _name_process(b"mpilab-engine")
+        from .engine import run
+
+        run(request["argv"])
+
+
+def _reseed() -> None:
+    """The global random streams of Python and NumPy, from the OS, as a fresh process
+    seeds them (torch's default generator starts from a fixed seed in every process)."""
+    random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+
+
+def _name_process(name: bytes) -> None:
+    """The name `top` and `ps -o comm` show: the spawner's command line stays, so say
+    which of its processes are engines."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
+def _kill_tree(pid: int) -> None:
+    try:
+        import psutil
+
+        helpers = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except Exception:  # noqa: BLE001 - already gone
+        helpers = []
+    for p in (pid, *helpers):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def main(argv: list[str]) -> int:
+    listener = socket.socket(fileno=int(argv[0]))
+    # torch.cuda.is_available() then asks NVML and leaves CUDA uninitialised: a process
+    # forked after CUDA's initialisation cannot use CUDA
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import importlib
+
+    for module in PRELOAD:
+        try:
+            importlib.import_module(module)
+        except Exception:  # noqa: BLE001 - the engine imports it again and reports it
+            pass
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return 1  # its supervisors start their engines themselves
+    Spawner(listener).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,69 @@
+"""Engines forked by their host's spawner (torch imported once per host): each rank is a
+process of its own with its own random streams, a rank whose supervisor goes takes its
+engine along, and the spawner ends with the last of them. MPILAB_SPAWNER=0 starts each
+engine as a fresh interpreter."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import psutil
+from conftest import cluster_pids
+from kernel import Kernel
+
+WHO = """%%ranks
+import json, os, random, psutil
+import numpy as np
+parent = psutil.Process(os.getppid())
+print(json.dumps({"rank": rank, "parent": parent.pid, "command": parent.cmdline()[1:3],
+                  "name": psutil.Process().name(), "draws": [random.random(),
+                  float(np.random.random())]}))
+"""
+
+
+def who(kernel) -> list[dict]:
+    run = kernel.run(WHO)
+    assert run.ok, run.text
+    return [json.loads(line.split("] ", 1)[1]) for line in run.stdout.splitlines()
+            if line.startswith("[rank")]
+
+
+def test_ranks_of_a_host_are_forks_of_one_spawner_with_their_own_random_streams(ranks):
+    found = who(ranks)
+    assert sorted(r["rank"] for r in found) == [0, 1], found
+    assert len({r["parent"] for r in found}) == 1, found
+    assert all(r["command"] == ["-m", "mpilab.rank.spawner"] for r in found), found
+    assert all(r["name"] == "mpilab-engine" for r in found), found
+    assert found[0]["draws"][0] != found[1]["draws"][0], found  # Python's stream
+    assert found[0]["draws"][1] != found[1]["draws"][1], found  # NumPy's global one
+
+
+def test_a_supervisor_killed_takes_its_engine_and_the_spawner_along(ranks):
+    engines = cluster_pids(ranks)["engines"]
+    spawner = psutil.Process(engines[0]).parent()
+    supervisors = [p for p in psutil.Process(ranks.pid).children(recursive=True)
+                   if p.cmdline()[1:3] == ["-m", "mpilab.rank.supervisor"]]
+    assert len(supervisors) == 2, supervisors
+    watched = [psutil.Process(pid) for pid in engines] + [spawner]
+    try:
+        os.kill(supervisors[1].pid, signal.SIGKILL)
+        _, alive = psutil.wait_procs(watched, timeout=15)
+        assert not alive, [p.cmdline()[:3] for p in alive]
+    finally:  # the next test's ranks start afresh
+        assert ranks.run("%mpilab stop", timeout=120).ok
+
+
+def test_without_the_spawner_each_engine_is_its_supervisors_child():
+    kernel = Kernel(env={"MPILAB_SPAWNER": "0"})
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        started = kernel.run("%mpilab start -n 2", timeout=180)
+        assert started.ok, started.text
+        found = who(kernel)
+        assert len({r["parent"] for r in found}) == 2, found
+        assert all(r["command"] == ["-m", "mpilab.rank.supervisor"] for r in found), found
+        assert kernel.run("%mpilab stop", timeout=120).ok
+    finally:
+        kernel.shutdown()
