@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import psutil
 from conftest import cluster_pids
@@ -67,3 +68,35 @@ def test_without_the_spawner_each_engine_is_its_supervisors_child():
         assert kernel.run("%mpilab stop", timeout=120).ok
     finally:
         kernel.shutdown()
+
+
+def test_a_spawner_serves_hosts_with_several_ranks_unless_turned_off():
+    from mpilab.rank.spawner import wanted
+
+    assert wanted({"MPI_LOCALNRANKS": "4"})
+    assert not wanted({"MPI_LOCALNRANKS": "1"})
+    assert not wanted({})  # not started by MPICH's hydra: nothing says how many
+    assert not wanted({"MPI_LOCALNRANKS": "many"})
+    assert not wanted({"MPI_LOCALNRANKS": "4", "MPILAB_SPAWNER": "0"})
+
+
+def test_a_request_crosses_whole_with_its_descriptors(tmp_path):
+    import socket
+
+    from mpilab.rank.spawner import _receive, _send
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    marker = tmp_path / "passed"
+    marker.write_text("through the socket")
+    env = {f"VAR{i}": "x" * 100 for i in range(2000)}  # ~200 KB: several reads
+    got = []
+    with open(marker) as f, left, right:
+        reader = threading.Thread(target=lambda: got.append(_receive(right)))
+        reader.start()
+        _send(left, {"env": env, "fds": [7]}, [f.fileno()])
+        reader.join(10)
+        message, fds = got[0]
+        assert message == {"env": env, "fds": [7]}
+        assert len(fds) == 1
+        with open(fds[0]) as passed:
+            assert passed.read() == "through the socket"

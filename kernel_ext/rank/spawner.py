@@ -28,6 +28,7 @@ import hashlib
 import json
 import os
 import random
+import select
 import selectors
 import signal
 import socket
@@ -67,25 +68,31 @@ def socket_name(environ=os.environ) -> bytes:
 # -- messages: a length, then JSON ---------------------------------------------------------
 def _send(sock: socket.socket, message: dict, fds: list[int] | None = None) -> None:
     data = json.dumps(message).encode()
-    if fds:
-        socket.send_fds(sock, [_HEADER.pack(len(data)) + data], fds)
+    if fds:  # the descriptors travel with the header; the rest may take several sends
+        socket.send_fds(sock, [_HEADER.pack(len(data))], fds)
     else:
-        sock.sendall(_HEADER.pack(len(data)) + data)
+        sock.sendall(_HEADER.pack(len(data)))
+    sock.sendall(data)
 
 
 def _receive(sock: socket.socket) -> tuple[dict | None, list[int]]:
     """One message and the descriptors that came with it; (None, []) at end of stream."""
-    data, fds, _flags, _addr = socket.recv_fds(sock, 1 << 16, 16)
-    if not data:
-        return None, fds
-    while len(data) < _HEADER.size or len(data) < _HEADER.size + _HEADER.unpack(
-            data[:_HEADER.size])[0]:
-        more = sock.recv(1 << 16)
+    data, fds, _flags, _addr = socket.recv_fds(sock, _HEADER.size, 16)
+    while data and len(data) < _HEADER.size:
+        more = sock.recv(_HEADER.size - len(data))
         if not more:
             return None, fds
         data += more
-    (length,) = _HEADER.unpack(data[:_HEADER.size])
-    return json.loads(data[_HEADER.size:_HEADER.size + length]), fds
+    if not data:
+        return None, fds
+    (length,) = _HEADER.unpack(data)
+    body = bytearray()
+    while len(body) < length:
+        more = sock.recv(min(length - len(body), 1 << 20))
+        if not more:
+            return None, fds
+        body += more
+    return json.loads(body), fds
 
 
 # -- the supervisor's side -----------------------------------------------------------------
@@ -100,15 +107,13 @@ class SpawnedEngine:
     def poll(self) -> int | None:
         """The engine's wait status once it ended, else None. A spawner that went away
         took the engine with it (it dies with its parent, by SIGKILL)."""
-        self._sock.setblocking(False)
+        if not select.select([self._sock], [], [], 0)[0]:
+            return None
+        self._sock.settimeout(ANSWER_S)
         try:
             message, _ = _receive(self._sock)
-        except (BlockingIOError, InterruptedError):
-            return None
         except OSError:
             message = None
-        finally:
-            self._sock.setblocking(True)
         if message is None or "status" not in message:
             return signal.SIGKILL
         return int(message["status"])
@@ -208,6 +213,7 @@ class Spawner:
             for key, _ in self.selector.select(timeout=0.1):
                 if key.fileobj is self.listener:
                     conn, _ = self.listener.accept()
+                    conn.settimeout(ANSWER_S)  # a request half sent does not hold us
                     self.selector.register(conn, selectors.EVENT_READ)
                 else:
                     self._serve(key.fileobj)
