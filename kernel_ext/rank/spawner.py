@@ -134,11 +134,10 @@ def spawn(argv: list[str]) -> SpawnedEngine | None:
     name = socket_name()
     deadline = time.monotonic() + CONNECT_S
     while time.monotonic() < deadline:
-        sock = _connect(name)
+        sock = _unix_socket(name, "connect")
         if sock is None:
-            if _start_spawner(name):
-                continue
-            time.sleep(0.05)  # another supervisor is starting it
+            if not _start_spawner(name):
+                time.sleep(0.05)  # another supervisor is starting it
             continue
         engine = _request(sock, argv)
         if engine is not None:
@@ -147,10 +146,11 @@ def spawn(argv: list[str]) -> SpawnedEngine | None:
     return None
 
 
-def _connect(name: bytes) -> socket.socket | None:
+def _unix_socket(name: bytes, how: str) -> socket.socket | None:
+    """A Unix socket that did `how` (connect, bind) at `name`; None where it failed."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        sock.connect(name)
+        getattr(sock, how)(name)
     except OSError:
         sock.close()
         return None
@@ -160,11 +160,8 @@ def _connect(name: bytes) -> socket.socket | None:
 def _start_spawner(name: bytes) -> bool:
     """Bind the name (only one supervisor of the host can) and start the spawner on
     it, in a session of its own (the launcher's signals to this rank are not its)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(name)
-    except OSError:
-        listener.close()
+    listener = _unix_socket(name, "bind")
+    if listener is None:
         return False
     listener.listen(1024)
     try:
