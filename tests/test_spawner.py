@@ -1,7 +1,9 @@
-"""Engines forked by their host's spawner (torch imported once per host): each rank is a
-process of its own with its own random streams, a rank whose supervisor goes takes its
-engine along, and the spawner ends with the last of them. MPILAB_SPAWNER=0 starts each
-engine as a fresh interpreter."""
+"""Engines forked by their host's spawner (torch imported once per host, where a host
+runs more ranks than it has cores): each rank is a process of its own with its own
+random streams, a rank whose supervisor goes takes its engine along, and the spawner
+ends with the last of them. MPILAB_SPAWNER=1 asks for it on this 2-core machine's 2
+ranks; MPILAB_SPAWNER=0 starts each engine as a fresh interpreter even where the ranks
+outnumber the cores."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import signal
 import threading
 
 import psutil
+import pytest
 from conftest import cluster_pids
 from kernel import Kernel
 
@@ -31,8 +34,22 @@ def who(kernel) -> list[dict]:
             if line.startswith("[rank")]
 
 
-def test_ranks_of_a_host_are_forks_of_one_spawner_with_their_own_random_streams(ranks):
-    found = who(ranks)
+@pytest.fixture(scope="module")
+def spawned():
+    """A kernel whose 2 ranks are forks of one spawner."""
+    kernel = Kernel(env={"MPILAB_SPAWNER": "1"})
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        started = kernel.run("%mpilab start -n 2", timeout=180)
+        assert started.ok, started.text
+        yield kernel
+        kernel.run("%mpilab stop", timeout=120)
+    finally:
+        kernel.shutdown()
+
+
+def test_ranks_of_a_host_are_forks_of_one_spawner_with_their_own_random_streams(spawned):
+    found = who(spawned)
     assert sorted(r["rank"] for r in found) == [0, 1], found
     assert len({r["parent"] for r in found}) == 1, found
     assert all(r["command"] == ["-m", "mpilab.rank.spawner"] for r in found), found
@@ -41,10 +58,10 @@ def test_ranks_of_a_host_are_forks_of_one_spawner_with_their_own_random_streams(
     assert found[0]["draws"][1] != found[1]["draws"][1], found  # NumPy's global one
 
 
-def test_a_supervisor_killed_takes_its_engine_and_the_spawner_along(ranks):
-    engines = cluster_pids(ranks)["engines"]
+def test_a_supervisor_killed_takes_its_engine_and_the_spawner_along(spawned):
+    engines = cluster_pids(spawned)["engines"]
     spawner = psutil.Process(engines[0]).parent()
-    supervisors = [p for p in psutil.Process(ranks.pid).children(recursive=True)
+    supervisors = [p for p in psutil.Process(spawned.pid).children(recursive=True)
                    if p.cmdline()[1:3] == ["-m", "mpilab.rank.supervisor"]]
     assert len(supervisors) == 2, supervisors
     watched = [psutil.Process(pid) for pid in engines] + [spawner]
@@ -52,32 +69,34 @@ def test_a_supervisor_killed_takes_its_engine_and_the_spawner_along(ranks):
         os.kill(supervisors[1].pid, signal.SIGKILL)
         _, alive = psutil.wait_procs(watched, timeout=15)
         assert not alive, [p.cmdline()[:3] for p in alive]
-    finally:  # the next test's ranks start afresh
-        assert ranks.run("%mpilab stop", timeout=120).ok
+    finally:
+        assert spawned.run("%mpilab stop", timeout=120).ok
 
 
-def test_without_the_spawner_each_engine_is_its_supervisors_child():
+def test_turned_off_each_engine_is_its_supervisors_child_where_ranks_outnumber_cores():
     kernel = Kernel(env={"MPILAB_SPAWNER": "0"})
     try:
         assert kernel.run("%load_ext mpilab").ok
-        started = kernel.run("%mpilab start -n 2", timeout=180)
+        started = kernel.run("%mpilab start -n 3", timeout=180)  # 3 ranks, 2 cores
         assert started.ok, started.text
         found = who(kernel)
-        assert len({r["parent"] for r in found}) == 2, found
+        assert len({r["parent"] for r in found}) == 3, found
         assert all(r["command"] == ["-m", "mpilab.rank.supervisor"] for r in found), found
         assert kernel.run("%mpilab stop", timeout=120).ok
     finally:
         kernel.shutdown()
 
 
-def test_a_spawner_serves_hosts_with_several_ranks_unless_turned_off():
+def test_a_spawner_serves_hosts_whose_ranks_outnumber_their_cores():
     from mpilab.rank.spawner import wanted
 
-    assert wanted({"MPI_LOCALNRANKS": "4"})
-    assert not wanted({"MPI_LOCALNRANKS": "1"})
-    assert not wanted({})  # not started by MPICH's hydra: nothing says how many
-    assert not wanted({"MPI_LOCALNRANKS": "many"})
-    assert not wanted({"MPI_LOCALNRANKS": "4", "MPILAB_SPAWNER": "0"})
+    assert wanted({"MPI_LOCALNRANKS": "16"}, cores=2)
+    assert not wanted({"MPI_LOCALNRANKS": "2"}, cores=2)  # a core each: side by side
+    assert wanted({"MPI_LOCALNRANKS": "2", "MPILAB_SPAWNER": "1"}, cores=2)
+    assert not wanted({"MPI_LOCALNRANKS": "1", "MPILAB_SPAWNER": "1"}, cores=2)
+    assert not wanted({"MPI_LOCALNRANKS": "16", "MPILAB_SPAWNER": "0"}, cores=2)
+    assert not wanted({}, cores=1)  # not started by MPICH's hydra: nothing says how many
+    assert not wanted({"MPI_LOCALNRANKS": "many"}, cores=1)
 
 
 def test_a_request_crosses_whole_with_its_descriptors(tmp_path):

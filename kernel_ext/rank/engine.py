@@ -65,14 +65,14 @@ def _import_torch_distributed() -> None:
 _warming_since_start = False
 
 
-def host_oversubscribed(environ=os.environ) -> bool:
+def host_oversubscribed(environ=os.environ, cores: int | None = None) -> bool:
     """Whether this host runs more ranks than it has cores for this process (MPICH's
     hydra tells each rank how many ranks its host runs: MPI_LOCALNRANKS)."""
     try:
         local = int(environ.get("MPI_LOCALNRANKS", "1"))
     except ValueError:
         return False
-    return local > len(os.sched_getaffinity(0))
+    return local > (len(os.sched_getaffinity(0)) if cores is None else cores)
 
 
 def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float) -> dict:
