@@ -119,3 +119,24 @@ def test_a_request_crosses_whole_with_its_descriptors(tmp_path):
         assert len(fds) == 1
         with open(fds[0]) as passed:
             assert passed.read() == "through the socket"
+
+
+def test_a_spawner_nobody_asks_ends_by_itself(monkeypatch):
+    """Its supervisors gone before they asked (mpiexec ended during the imports): the
+    spawner does not outlive them."""
+    import socket
+
+    from mpilab.rank import spawner
+
+    monkeypatch.setattr(spawner, "IDLE_S", 0.3)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(f"\0mpilab-test-idle-{os.getpid()}".encode())
+    listener.listen()
+    left = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    left.connect(listener.getsockname())
+    left.close()  # a supervisor that connected and went without asking
+    serving = threading.Thread(target=spawner.Spawner(listener).run)
+    serving.start()
+    serving.join(10)
+    assert not serving.is_alive()
+    listener.close()

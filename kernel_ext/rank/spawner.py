@@ -43,6 +43,7 @@ import traceback
 ENV = "MPILAB_SPAWNER"  # "1": a spawner wherever a host runs several ranks; "0": never
 CONNECT_S = 5.0  # trying to reach (or start) the spawner
 ANSWER_S = 120.0  # for the spawner's imports and the fork (16 ranks on 2 cores: ~10 s)
+IDLE_S = 30.0  # a spawner nobody asked (its supervisors gone before they could) ends
 _HEADER = struct.Struct("!I")
 # what the engines import before their first cell (and the warm-up's optimizer import)
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch.optim", "numpy",
@@ -213,6 +214,7 @@ class Spawner:
         self.selector.register(listener, selectors.EVENT_READ)
         self.engine_of: dict[socket.socket, int] = {}  # a supervisor's connection: its engine
         self.served = 0
+        self.started = time.monotonic()
 
     def run(self) -> None:
         while True:
@@ -224,7 +226,8 @@ class Spawner:
                 else:
                     self._serve(key.fileobj)
             self._reap()
-            if self.served and not self.engine_of and not self._waiting():
+            if not self.engine_of and not self._waiting() and (
+                    self.served or time.monotonic() - self.started > IDLE_S):
                 return
 
     def _waiting(self) -> bool:
