@@ -49,10 +49,16 @@ class LiveViews:
             self._wait_for_cell_end(ranks)
         self._version = -1
         self._progress(final=True)
+        dash = self.dashboard
+        if dash is None:
+            return
         if self._dashboard_id is not None:
-            self.dashboard.refresh(force=True)
-            update_display(self.dashboard.mimebundle(final=True), raw=True,
+            dash.refresh(force=True)
+            update_display(dash.mimebundle(final=True), raw=True,
                            display_id=self._dashboard_id)
+        elif dash.has_data():  # a cell whose records all came after its last tick
+            self._dashboard_id = uuid.uuid4().hex
+            display(dash.mimebundle(final=True), raw=True, display_id=self._dashboard_id)
 
     def _wait_for_cell_end(self, ranks: list[int]) -> None:
         """Records travel apart from the cell's reply: wait for each rank's end marker."""

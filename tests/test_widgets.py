@@ -793,6 +793,29 @@ def test_a_shown_dashboard_follows_the_store_until_its_run_ends():
     assert store._listeners == []
 
 
+def test_a_cell_whose_records_came_after_its_last_tick_still_gets_its_dashboard(monkeypatch):
+    """A quick training cell: no tick found its records, they arrived while the cell
+    ended. Its final plot is shown all the same (in a saved or exported notebook too)."""
+    import mpilab.live as live
+
+    shown = []
+    monkeypatch.setattr(live, "display", lambda bundle, **kw: shown.append(bundle))
+    store = MetricsStore(world_size=2)
+    views = live.LiveViews(store, 2, True, {0: "a", 1: "b"})
+    views.tick()
+    assert shown == []  # nothing logged yet
+    for rank, msg in ((0, "a"), (1, "b")):
+        store.add({"k": "event", "r": rank, "t": time.time(), "what": "cell-start",
+                   "cell": 1, "msg": msg})
+    for step in range(3):
+        store.add({**log_record(0, step, loss=1.0 / (step + 1)), "t": time.time()})
+    for rank, msg in ((0, "a"), (1, "b")):
+        store.add({"k": "event", "r": rank, "t": time.time(), "what": "cell-end",
+                   "cell": 1, "msg": msg})
+    views.finish([0, 1])
+    assert len(shown) == 1 and "text/html" in shown[0], shown  # the static plot
+
+
 # -- views at scale: pure logic ----------------------------------------------------------
 def test_ema_is_debiased_and_skips_gaps():
     from mpilab.widgets.plotting import ema
