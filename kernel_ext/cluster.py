@@ -74,9 +74,9 @@ class ClusterConfig:
 
 # The controller finishes an engine's registration at its first heartbeat ping after the
 # engine registered, and pings every 3 s by default: an engine a moment late (its rank
-# imports torch while it registers) waited up to 3 s more. Pings every second; an engine
-# is still given up after 30 s of silence, as by default.
-HEARTBEAT_ARGS = ("--HeartMonitor.period=1000", "--HeartMonitor.max_heartmonitor_misses=30")
+# imports torch while it registers) waited up to 3 s more. Pings every half second; an
+# engine is still given up after 30 s of silence, as by default.
+HEARTBEAT_ARGS = ("--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60")
 
 
 def find_mpiexec(explicit: str | None = None) -> str:
