@@ -81,6 +81,8 @@ class SimCluster:
                       for r in range(N)]
     def engine_output(self, lines=200):
         return ""
+    def local_processes(self):
+        return {}
 
 # redraw cost and record -> dashboard latency, read as bench_overhead.py does: the log
 # rows the widget has taken at each redraw, incrementally

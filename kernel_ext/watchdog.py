@@ -9,7 +9,6 @@ timeout, ranks disagree about the collective they are in, or a rank died.
 from __future__ import annotations
 
 import re
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -139,27 +138,6 @@ def reported_causes(launcher_output: str) -> dict[tuple[str, int | None], str]:
     return causes
 
 
-_local: tuple[list, dict] | None = None  # (the cluster's ranks, their handles here)
-
-
-def _local_processes(cluster, host: str) -> dict[int, psutil.Process]:
-    """psutil handles of the engines on this host, rank -> handle, made once per start
-    (the cluster's list of ranks, kept here, says which start): every cell's watchdog
-    checks them, and making one reads /proc (~0.4 ms a rank, on every cell). A handle
-    remembers its process's start time, so a pid reused later never passes for a rank."""
-    global _local
-    if _local is None or _local[0] is not cluster.ranks:
-        procs = {}
-        for info in cluster.ranks:
-            if info["host"] == host:
-                try:
-                    procs[info["rank"]] = psutil.Process(info["pid"])
-                except psutil.Error:
-                    pass
-        _local = (cluster.ranks, procs)
-    return _local[1]
-
-
 class Watchdog:
     """One per running cell; `check()` is called on every relay tick."""
 
@@ -172,7 +150,6 @@ class Watchdog:
         self._numbers: dict[int, int] = {}  # rank -> this cell's number there, once begun
         self.first_failure: float | None = None
         self._on_line: dict[int, tuple[str, float]] = {}  # rank -> (direct call, seen since)
-        self.local_host = socket.gethostname()
         self._next_process_check = 0.0
         self._info = {i["rank"]: i for i in cluster.ranks}
         # the collectives compared at the last check: (heartbeats, events) filed by then,
@@ -180,8 +157,8 @@ class Watchdog:
         self._compared: tuple[int, int] | None = None
         self._mismatch: str | None = None
         self._ledger = CollectiveLedger()
-        self._procs = {rank: proc for rank, proc in
-                       _local_processes(cluster, self.local_host).items() if rank in self._ranks}
+        self._procs = {rank: proc for rank, proc in cluster.local_processes().items()
+                       if rank in self._ranks}
 
     def _this_cell(self, hb: dict | None) -> bool:
         """A heartbeat sent while this cell runs: not a stale one from the cell before,

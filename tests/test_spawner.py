@@ -140,3 +140,27 @@ def test_a_spawner_nobody_asks_ends_by_itself(monkeypatch):
     serving.join(10)
     assert not serving.is_alive()
     listener.close()
+
+
+def test_a_spawner_that_cannot_fork_engines_refuses_and_the_rank_starts_its_own(monkeypatch):
+    """Where an import initialised CUDA (a fork could not use it) the spawner answers
+    every request with a refusal: each supervisor then starts its engine itself at once,
+    instead of asking again, and the spawner ends once they have gone."""
+    import socket
+    import time
+
+    from mpilab.rank import spawner
+
+    name = f"\0mpilab-test-refuse-{os.getpid()}".encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen()
+    monkeypatch.setattr(spawner, "socket_name", lambda: name)
+    serving = threading.Thread(target=spawner.Spawner(listener, "CUDA is initialised").run)
+    serving.start()
+    asked = time.monotonic()
+    assert spawner.spawn(["--never-run"]) is None
+    assert time.monotonic() - asked < 2  # no asking again until CONNECT_S runs out
+    serving.join(10)
+    assert not serving.is_alive()
+    listener.close()

@@ -191,6 +191,9 @@ class _QuietCluster:
         self.store = MetricsStore(world_size=2)
         self.ranks = []
 
+    def local_processes(self) -> dict:
+        return {}
+
     def start_cell(self, number: int, t: float = 0.0) -> CellWindow:
         """Both ranks begin their cell `number`: the window the runner gives the watchdog."""
         msg_ids = {r: f"request-{number}-{r}" for r in range(2)}

@@ -30,12 +30,40 @@ def run(argv: list[str]) -> None:
 
 
 def _die_with_parent() -> None:
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def name_process(name: bytes) -> None:
+    """The name `top` and `ps -o comm` show (a forked engine keeps its spawner's
+    command line)."""
+    import ctypes
+
+    _prctl(15, ctypes.c_char_p(name))  # PR_SET_NAME
+
+
+def _prctl(option: int, value) -> None:
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def kill(pid: int) -> None:
+    """Kill an engine and everything it started (ipyparallel's nanny runs in a session
+    of its own, and would hold mpiexec's output pipe open after the engine is gone)."""
+    import psutil
+
+    try:
+        helpers = [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        helpers = []
+    for target in (pid, *helpers):
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def preload() -> None:

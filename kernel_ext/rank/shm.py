@@ -299,9 +299,9 @@ class ShmEngine:
 
     def _split(self, arr: np.ndarray, ufunc, across, sig: int) -> None:
         me = self.rank
-        edges, views = self._split_views(arr.dtype, arr.size)
+        edges = self._slice_edges(arr.size, arr.dtype.itemsize)
         self._use += 1
-        slots = views[self._use & 1]
+        slots = self._views(arr.dtype, arr.size)[self._use & 1]
         lo, hi = edges[me], edges[me + 1]
         mine, published = arr[lo:hi], slots[me][lo:hi]
         self._sig = sig
@@ -322,13 +322,11 @@ class ShmEngine:
             if edges[r + 1] > edges[r]:
                 np.copyto(arr[edges[r]:edges[r + 1]], slots[r][edges[r]:edges[r + 1]])
 
-    def _split_views(self, dtype: np.dtype, count: int
-                     ) -> tuple[list[int], tuple[list[np.ndarray], ...]]:
-        """Slice edges (on cache lines, as _rsag's) and every rank's slot views, per
-        parity, for `count` elements of `dtype`."""
-        unit = max(1, CACHE_LINE // dtype.itemsize)
-        edges = [count * r // self.size // unit * unit for r in range(self.size)] + [count]
-        return edges, self._views(dtype, count)
+    def _slice_edges(self, count: int, itemsize: int) -> list[int]:
+        """Where each rank's slice of `count` elements begins, then `count`: equal
+        shares, their edges on cache lines."""
+        unit = max(1, CACHE_LINE // itemsize)
+        return [count * r // self.size // unit * unit for r in range(self.size)] + [count]
 
     def small_allreduce(self, dtype: np.dtype, count: int, op: str,
                         ) -> Callable[[np.ndarray], None] | None:
@@ -474,13 +472,11 @@ class ShmEngine:
         """
         size, me, dt = self.size, self.rank, arr.dtype
         step = self.chunk_bytes // dt.itemsize
-        unit = max(1, CACHE_LINE // dt.itemsize)  # slice edges on cache lines
         typed = self._typed_slots(dt)
         # One set of slice edges for every chunk of the call (the last chunk, shorter,
         # is clipped): chunks j-1 and j+1 share a slot, and their slices must line up
         # for copy_in(j+1) and copy_out(j-1) never to touch the same bytes.
-        m0 = min(step, arr.size)
-        edges0 = [m0 * r // size // unit * unit for r in range(size)] + [m0]
+        edges0 = self._slice_edges(min(step, arr.size), dt.itemsize)
         phases = []  # per chunk: (copy_in pairs, (my slice, others' slots), my slot's slice,
         #            copy_out pairs)
         for start in range(0, arr.size, step):

@@ -40,6 +40,8 @@ import sys
 import time
 import traceback
 
+from . import engine
+
 ENV = "MPILAB_SPAWNER"  # "1": a spawner wherever a host runs several ranks; "0": never
 CONNECT_S = 5.0  # trying to reach (or start) the spawner
 ANSWER_S = 120.0  # for the spawner's imports and the fork (16 ranks on 2 cores: ~10 s)
@@ -57,8 +59,6 @@ def wanted(environ=os.environ, cores: int | None = None) -> bool:
     would run in series with the others'. With a core for each rank, engines importing
     side by side are ready sooner (2 ranks on 2 cores: 3.9 s against 4.7 s through a
     spawner). MPILAB_SPAWNER=1: wherever a host runs several ranks; 0: never."""
-    from .engine import host_oversubscribed
-
     choice = environ.get(ENV, "").strip()
     if choice == "0":
         return False
@@ -66,7 +66,7 @@ def wanted(environ=os.environ, cores: int | None = None) -> bool:
         several = int(environ.get("MPI_LOCALNRANKS", "1")) > 1
     except ValueError:
         return False
-    return several and (choice == "1" or host_oversubscribed(environ, cores))
+    return several and (choice == "1" or engine.host_oversubscribed(environ, cores))
 
 
 def socket_name(environ=os.environ) -> bytes:
@@ -128,19 +128,11 @@ class SpawnedEngine:
             return signal.SIGKILL
         return int(message["status"])
 
-    def wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            status = self.poll()
-            if status is not None:
-                return status
-            time.sleep(0.02)
-        return None
-
 
 def spawn(argv: list[str]) -> SpawnedEngine | None:
     """Ask this host's spawner (starting it if nobody has) for an engine run with `argv`;
-    None where that fails, and the caller starts the engine itself."""
+    None where that fails or the spawner refuses, and the caller starts the engine
+    itself."""
     name = socket_name()
     deadline = time.monotonic() + CONNECT_S
     while time.monotonic() < deadline:
@@ -149,10 +141,12 @@ def spawn(argv: list[str]) -> SpawnedEngine | None:
             if not _start_spawner(name):
                 time.sleep(0.05)  # another supervisor is starting it
             continue
-        engine = _request(sock, argv)
-        if engine is not None:
-            return engine
+        answer = _request(sock, argv)
+        if answer is not None and "pid" in answer:
+            return SpawnedEngine(sock, int(answer["pid"]))
         sock.close()
+        if answer is not None:  # refused (it cannot fork engines): no use asking again
+            return None
     return None
 
 
@@ -187,7 +181,8 @@ def _start_spawner(name: bytes) -> bool:
     return True
 
 
-def _request(sock: socket.socket, argv: list[str]) -> SpawnedEngine | None:
+def _request(sock: socket.socket, argv: list[str]) -> dict | None:
+    """Send the engine's inheritance; the spawner's answer, None where none came."""
     fds = [0, 1, 2]
     pmi = os.environ.get("PMI_FD", "")
     if pmi.isdigit():
@@ -201,15 +196,15 @@ def _request(sock: socket.socket, argv: list[str]) -> SpawnedEngine | None:
         return None
     finally:
         sock.settimeout(None)
-    if not answer or "pid" not in answer:
-        return None
-    return SpawnedEngine(sock, int(answer["pid"]))
+    return answer
 
 
 # -- the spawner ---------------------------------------------------------------------------
 class Spawner:
-    def __init__(self, listener: socket.socket):
+    def __init__(self, listener: socket.socket, refusal: str | None = None):
+        """refusal: why this spawner answers every request without an engine."""
         self.listener = listener
+        self.refusal = refusal
         self.selector = selectors.DefaultSelector()
         self.selector.register(listener, selectors.EVENT_READ)
         self.engine_of: dict[socket.socket, int] = {}  # a supervisor's connection: its engine
@@ -241,20 +236,21 @@ class Spawner:
             request, fds = _receive(conn)
         except OSError:
             request, fds = None, []
-        if request is None or conn in self.engine_of:  # gone, or a second request
-            for fd in fds:
-                os.close(fd)
-            self._drop(conn)
-            return
         try:
-            pid = self._fork(request, fds)
+            if request is None or conn in self.engine_of:  # gone, or a second request
+                self._drop(conn)
+                return
+            self.served += 1
+            if self.refusal is not None:
+                answer = {"error": self.refusal}
+            else:
+                answer = {"pid": self._fork(request, fds)}
+                self.engine_of[conn] = answer["pid"]
         finally:
             for fd in fds:
                 os.close(fd)
-        self.served += 1
-        self.engine_of[conn] = pid
         try:
-            _send(conn, {"pid": pid})
+            _send(conn, answer)
         except OSError:
             self._drop(conn)
 
@@ -264,7 +260,7 @@ class Spawner:
         pid = self.engine_of.pop(conn, None)
         conn.close()
         if pid is not None:
-            _kill_tree(pid)
+            engine.kill(pid)
 
     def _reap(self) -> None:
         while True:
@@ -274,8 +270,8 @@ class Spawner:
                 return
             if not pid:
                 return
-            for conn, engine in list(self.engine_of.items()):
-                if engine == pid:
+            for conn, forked in list(self.engine_of.items()):
+                if forked == pid:
                     del self.engine_of[conn]
                     try:
                         _send(conn, {"status": status})
@@ -303,12 +299,11 @@ class Spawner:
             os._exit(code)
 
     def _become_engine(self, request: dict, fds: list[int]) -> None:
-        # nothing of the spawner's stays open in the engine
-        for conn in list(self.engine_of) + [self.listener]:
-            os.close(conn.detach())
+        """In the forked child (which never returns from _fork)."""
+        # nothing of the spawner's stays open in the engine: its sockets, the listener
+        # among them, are all registered with the selector
         for key in list(self.selector.get_map().values()):
-            if isinstance(key.fileobj, socket.socket) and key.fileobj.fileno() >= 0:
-                os.close(key.fileobj.detach())
+            os.close(key.fileobj.detach())
         self.selector.close()
         # the supervisor's descriptors at the numbers the supervisor had them
         import fcntl
@@ -316,7 +311,6 @@ class Spawner:
         moved = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
         for fd in fds:
             os.close(fd)
-        fds.clear()  # the caller closes nothing more
         for source, target in zip(moved, request["fds"]):
             os.dup2(source, target)
             os.close(source)
@@ -327,10 +321,8 @@ class Spawner:
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
         _reseed()
-        _name_process(b"mpilab-engine")
-        from .engine import run
-
-        run(request["argv"])
+        engine.name_process(b"mpilab-engine")
+        engine.run(request["argv"])
 
 
 def _reseed() -> None:
@@ -339,31 +331,6 @@ def _reseed() -> None:
     random.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
-
-
-def _name_process(name: bytes) -> None:
-    """The name `top` and `ps -o comm` show: the spawner's command line stays, so say
-    which of its processes are engines."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(15, ctypes.c_char_p(name), 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
-        pass
-
-
-def _kill_tree(pid: int) -> None:
-    try:
-        import psutil
-
-        helpers = [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except Exception:  # noqa: BLE001 - already gone
-        helpers = []
-    for p in (pid, *helpers):
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def main(argv: list[str]) -> int:
@@ -379,9 +346,10 @@ def main(argv: list[str]) -> int:
         except Exception:  # noqa: BLE001 - the engine imports it again and reports it
             pass
     torch = sys.modules.get("torch")
+    refusal = None
     if torch is not None and torch.cuda.is_initialized():
-        return 1  # its supervisors start their engines themselves
-    Spawner(listener).run()
+        refusal = "an import initialised CUDA, which a forked engine could not use"
+    Spawner(listener, refusal).run()  # refusing, its supervisors start their engines
     return 0
 
 

@@ -22,6 +22,7 @@ import sys
 import time
 
 from mpilab import lifeline
+from mpilab.rank import engine as engine_mod
 from mpilab.rank import spawner
 from mpilab.wire import exit_report
 
@@ -84,22 +85,6 @@ def _rdma_ports() -> list[str]:
     return ports
 
 
-def _end_group(child: int) -> None:
-    """Kill the engine and everything it started (ipyparallel's nanny runs in a session
-    of its own, and would hold mpiexec's output pipe open after the engine is gone)."""
-    import psutil
-
-    try:
-        helpers = psutil.Process(child).children(recursive=True)
-    except psutil.Error:
-        helpers = []
-    for pid in (child, *(h.pid for h in helpers)):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 class ChildEngine:
     """The engine as this supervisor's own child: a fresh interpreter (where no spawner
     serves this host, mpilab.rank.spawner)."""
@@ -120,11 +105,13 @@ class ChildEngine:
             return 1 << 8  # reaped elsewhere: say it exited with code 1
         return status if pid else None
 
-    def wait(self, timeout: float) -> int | None:
-        deadline = time.monotonic() + timeout
-        while (status := self.poll()) is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return status
+
+def _wait(engine: ChildEngine | spawner.SpawnedEngine, timeout: float) -> int | None:
+    """The engine's wait status once it ended, waiting up to `timeout` s for it."""
+    deadline = time.monotonic() + timeout
+    while (status := engine.poll()) is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return status
 
 
 def describe(status: int) -> tuple[str, int]:
@@ -153,8 +140,8 @@ def supervise(argv: list[str]) -> int:
     while (status := engine.poll()) is None:
         gone = held.notebook_gone(wait=WATCH_INTERVAL_S) if held else None
         if gone:  # the notebook is gone: so are its ranks
-            _end_group(engine.pid)
-            engine.wait(ENGINE_END_WAIT_S)
+            engine_mod.kill(engine.pid)
+            _wait(engine, ENGINE_END_WAIT_S)
             print(report(engine.pid, f"ended: {gone}"), file=sys.stderr, flush=True)
             return 1
         if held is None:
@@ -166,8 +153,6 @@ def supervise(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [_CHILD_FLAG]:
-        from mpilab.rank.engine import run
-
-        run(sys.argv[2:])
+        engine_mod.run(sys.argv[2:])
     else:
         sys.exit(supervise(sys.argv[1:]))
