@@ -80,7 +80,7 @@ class FakeCluster:
     def __init__(self, world_size: int = 2):
         self.world_size = world_size
         self.store = MetricsStore(world_size=world_size)
-        self.ranks: list[dict] = []  # no local processes for the watchdog to look at
+        self.ranks: list[dict] = []
         self.client = self
         self.signalled: list[int] = []
         self.aborted: list[str] = []
@@ -89,6 +89,9 @@ class FakeCluster:
 
     def engines(self, ranks):
         return list(ranks)
+
+    def local_processes(self) -> dict:
+        return {}  # no local processes for the watchdog to look at
 
     def send_signal(self, signal: str, targets, block: bool) -> None:
         for rank in targets:
