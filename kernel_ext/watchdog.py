@@ -21,6 +21,10 @@ from .wire import exit_reports
 DEFAULT_HANG_TIMEOUT_S = 30.0
 PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
+# a cut link or a lost host silences its ranks within a heartbeat or two of each other
+# (they beat every half second, out of step): once one of them is past DEAD_HEARTBEAT_S,
+# those silent this close to it are named in the same verdict
+SILENT_TOGETHER_S = 1.0
 # local ranks: how often their processes are looked at (psutil reads /proc several times
 # a rank, too dear for every relay tick)
 PROCESS_CHECK_S = 0.25
@@ -185,10 +189,12 @@ class Watchdog:
                     if cause is not None:
                         dead[rank] = cause
         ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
-        for rank in self.ranks:
-            if rank not in self._procs and rank not in dead \
-                    and ages.get(rank, 0.0) > DEAD_HEARTBEAT_S:
-                dead[rank] = f"{SILENT_PREFIX} for {ages[rank]:.0f} s"
+        silent = {r: ages.get(r, 0.0) for r in self.ranks
+                  if r not in self._procs and r not in dead}
+        if silent and max(silent.values()) > DEAD_HEARTBEAT_S:
+            for rank, age in silent.items():
+                if age > DEAD_HEARTBEAT_S - SILENT_TOGETHER_S:
+                    dead[rank] = f"{SILENT_PREFIX} for {age:.0f} s"
         return dead
 
     def _death_line(self, rank: int, cause: str) -> str:

@@ -239,6 +239,22 @@ def test_a_noblock_cell_ahead_in_the_queue_is_not_watched_as_this_one(monkeypatc
     assert watchdog.check(now, {}) is None
 
 
+def test_ranks_silenced_together_are_named_together():
+    """A cut link silences every rank behind it within a heartbeat or two of each other
+    (they beat out of step): the verdict names all of them, not the first one past 5 s."""
+    cluster = _QuietCluster()
+    cluster.store = MetricsStore(world_size=3)
+    watchdog = Watchdog(cluster, [0, 1, 2], hang_timeout=3.0, cell=cluster.start_cell(1))
+    now = time.monotonic()
+    cluster.store.last_seen.update({0: now - 0.2, 1: now - 4.6, 2: now - 3.0})
+    assert watchdog.check(time.time(), {}) is None  # nobody silent for 5 s yet
+    cluster.store.last_seen.update({1: now - 5.1, 2: now - 4.3})
+    verdict = watchdog.check(time.time() + 1, {})
+    assert verdict.kind == "dead" and sorted(verdict.dead) == [1, 2], verdict
+    assert verdict.lines == ["rank 1 (pid ? on ?) cannot be reached: no heartbeat for 5 s",
+                             "rank 2 (pid ? on ?) cannot be reached: no heartbeat for 4 s"]
+
+
 def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
     cluster = _QuietCluster()
     cell = cluster.start_cell(1)
