@@ -32,17 +32,25 @@ class CellWindow:
     msg_ids: dict[int, str] | None = None  # rank -> the cell's execute request there
     _marks: dict[int, CellMarks] = field(default_factory=dict)
     _events_read: int = -1  # the store's count of events when the marks were read
+    _bounds: Bounds = field(default_factory=dict)  # bounds() of the marks
+    _numbers: dict[int, int] = field(default_factory=dict)  # numbers() of the marks
 
     def bounds(self, store: MetricsStore) -> Bounds:
-        """The ranks whose records count now, and from when until when."""
+        """The ranks whose records count now, and from when until when (the same dict
+        while they stay so: read it, do not change it)."""
         if self.msg_ids is None:
-            return {r: (self.since, math.inf) for r in range(store.world_size)}
-        return {r: (m.start, m.end) for r, m in self._read(store).items()}
+            if len(self._bounds) != store.world_size:
+                self._bounds = {r: (self.since, math.inf) for r in range(store.world_size)}
+            return self._bounds
+        self._read(store)
+        return self._bounds
 
     def numbers(self, store: MetricsStore) -> dict[int, int]:
         """rank -> the cell's number there (its heartbeats carry it), once begun there;
-        none without `msg_ids`, as the numbers come from the ranks' cell-start events."""
-        return {r: m.number for r, m in self._read(store).items()}
+        none without `msg_ids`, as the numbers come from the ranks' cell-start events
+        (the same dict while they stay so)."""
+        self._read(store)
+        return self._numbers
 
     def _read(self, store: MetricsStore) -> dict[int, CellMarks]:
         # read again until the cell ends everywhere, when an event came since (the
@@ -52,7 +60,11 @@ class CellWindow:
                 len(self._marks) < len(self.msg_ids or ()) or any(
                     m.end == math.inf for m in self._marks.values())):
             self._events_read = events
-            self._marks = store.cell_marks(self.msg_ids or {}, self.since)
+            marks = self._marks = store.cell_marks(self.msg_ids or {}, self.since)
+            # what the runner, the watchdog and the dashboard read on every tick, made
+            # once per reading of the marks (1,024 ranks)
+            self._bounds = {r: (m.start, m.end) for r, m in marks.items()}
+            self._numbers = {r: m.number for r, m in marks.items()}
         return self._marks
 
     def started(self, store: MetricsStore) -> float | None:

@@ -70,11 +70,17 @@ class CollectiveLedger:
     a mismatch (ranks that called different collectives, or sizes, at the same number).
     Only the heartbeats that changed since the last read are read (the store replaces a
     rank's heartbeat with each new one): at 1,024 ranks a heartbeat carries the last 16
-    collectives, and comparing all of them on every check took most of its time."""
+    collectives, and comparing all of them on every check took most of its time. A
+    check reads at most READS_PER_CHECK of them, taking up where the last one stopped:
+    a round of 1,024 ranks' heartbeats is read over a few checks (a tick each), and no
+    check holds the notebook's tick for all of them."""
 
     MAX_NUMBERS = 8192  # numbers remembered; past that the oldest half is forgotten
+    READS_PER_CHECK = 256
 
     def __init__(self) -> None:
+        self.behind = False  # heartbeats that changed were left for the next check
+        self._cursor = 0  # where in the heartbeats the next check starts reading
         self._read: dict[int, dict] = {}  # rank -> the heartbeat read last
         self._done: dict[int, int] = {}  # rank -> the highest finished number read
         self._first: dict[int, tuple[tuple[str, int], int]] = {}  # seq -> (what, rank)
@@ -87,19 +93,31 @@ class CollectiveLedger:
         elif known[0] != what:
             self._clashes.setdefault(seq, {known[1]: known[0]})[rank] = what
 
-    def mismatch(self, heartbeats: dict[int, dict]) -> str | None:
-        """The first mismatched collective seen so far, as one line (None: none)."""
-        first, clashes, done = self._first, self._clashes, self._done
-        for rank, hb in heartbeats.items():
-            if self._read.get(rank) is hb:
+    def mismatch(self, heartbeats: dict[int, dict], counts=None) -> str | None:
+        """The first mismatched collective seen so far, as one line (None: none).
+        `counts(hb)`: whether a heartbeat is one to compare (its rank's, of this cell);
+        asked of the heartbeats that changed since the last read only."""
+        first, clashes, done, read = self._first, self._clashes, self._done, self._read
+        items = list(heartbeats.items())
+        start = self._cursor % len(items) if items else 0
+        reads, self.behind = 0, False
+        for index, (rank, hb) in enumerate(items[start:] + items[:start]):
+            if read.get(rank) is hb or (counts is not None and not counts(hb)):
                 continue
-            self._read[rank] = hb
+            if reads == self.READS_PER_CHECK:
+                self._cursor, self.behind = start + index, True
+                break
+            reads += 1
+            read[rank] = hb
             upto = done.get(rank, -1)
-            for seq, op, nbytes in hb.get("recent", ()):  # finished ones, oldest first
-                if seq > upto:
-                    self._note(int(seq), (op, int(nbytes)), rank)
-                    upto = seq
-            done[rank] = upto
+            recent = hb.get("recent", ())  # finished ones, oldest first
+            new = len(recent)
+            while new and recent[new - 1][0] > upto:  # the ones not read before
+                new -= 1
+            for seq, op, nbytes in recent[new:]:
+                self._note(int(seq), (op, int(nbytes)), rank)
+            if new < len(recent):
+                done[rank] = recent[-1][0]
             if hb.get("phase") == "collective":  # the one it is in
                 self._note(hb["seq"], (hb["op"], hb.get("op_nbytes", 0)), rank)
         if len(first) > self.MAX_NUMBERS:
@@ -110,6 +128,8 @@ class CollectiveLedger:
         seq = min(clashes)
         members = dict(clashes[seq])
         for rank, hb in heartbeats.items():  # every rank that reported this number
+            if counts is not None and not counts(hb):
+                continue
             what = _history(hb).get(seq)
             if what is not None:
                 members.setdefault(rank, what)
@@ -163,6 +183,11 @@ class Watchdog:
         self._ledger = CollectiveLedger()
         self._procs = {rank: proc for rank, proc in cluster.local_processes().items()
                        if rank in self._ranks}
+
+    def _compares(self, hb: dict) -> bool:
+        """A heartbeat whose collectives are compared: a rank of this cell's, sent
+        while this cell runs."""
+        return hb["r"] in self._ranks and self._this_cell(hb)
 
     def _this_cell(self, hb: dict | None) -> bool:
         """A heartbeat sent while this cell runs: not a stale one from the cell before,
@@ -234,11 +259,9 @@ class Watchdog:
         self._numbers = self.cell.numbers(store) if store else {}
         waiting = {r: heartbeats.get(r) for r in running}
         seen = (store.beats, store.events) if store else None
-        if seen is None or seen != self._compared:
+        if seen is None or seen != self._compared or self._ledger.behind:
             self._compared = seen
-            self._mismatch = self._ledger.mismatch(
-                {r: hb for r, hb in heartbeats.items()
-                 if r in self._ranks and self._this_cell(hb)})
+            self._mismatch = self._ledger.mismatch(heartbeats, self._compares)
         mismatch = self._mismatch
         if mismatch:
             return Verdict("mismatch", [mismatch], release=running)
@@ -256,8 +279,8 @@ class Watchdog:
         # a heartbeat of an earlier cell (this one's first has not come yet) may still
         # show the collective a released rank was in
         stuck = {r: hb for r, hb in waiting.items()
-                 if self._this_cell(hb) and hb.get("phase") == "collective"
-                 and _age(hb) > self.hang_timeout}
+                 if hb is not None and hb.get("phase") == "collective"
+                 and _age(hb) > self.hang_timeout and self._this_cell(hb)}
         if stuck:
             progress = ", ".join(
                 f"rank {r} at collective #{hb['seq'] if hb else '?'}"

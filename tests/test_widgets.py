@@ -855,14 +855,17 @@ def test_step_band_has_median_and_extremes_once_every_rank_reported():
     from mpilab.widgets.plotting import StepBand
 
     band = StepBand()
-    band.add(0, [(1, 10.0), (2, 10.0)], ranks=3)
-    band.add(1, [(1, 20.0)], ranks=3)
+    band.add([0, 0], [1, 2], [10.0, 10.0], world=3)
+    band.add([1], [1], [20.0], world=3)
     assert band.median.n == 0  # rank 2 has not reported step 1
-    band.add(2, [(1, 90.0), (2, 30.0)], ranks=3)
+    band.add([2, 2], [1, 2], [90.0, 30.0], world=3)
     assert list(band.median.x) == [1] and list(band.median.y) == [20.0]
     assert list(band.low.y) == [10.0] and list(band.high.y) == [90.0]
-    band.add(1, [(1, 0.0), (2, 20.0)], ranks=3)  # a second report of step 1 is late
+    assert list(band.total.y) == [120.0]  # the ranks' sum: the run's samples/s
+    band.add([1, 1], [1, 2], [0.0, 20.0], world=3)  # a second report of step 1 is late
     assert list(band.median.y) == [20.0, 20.0] and list(band.high.y) == [90.0, 30.0]
+    band.add([0, 1, 2, 0], [3, 3, 3, 3], [1.0, 2.0, 3.0, 9.0], world=3)  # one step once
+    assert list(band.median.x) == [1, 2, 3] and list(band.total.y) == [120.0, 60.0, 6.0]
 
 
 def test_past_16_ranks_the_dashboard_draws_a_band_and_names_the_slowest_ranks():

@@ -84,23 +84,26 @@ class _RankSteps:
         self.first: Series | None = None  # its first step (warm-up): shown while alone
         self.throughput = GrowingSeries()  # step -> samples/s
         self.bandwidth = GrowingSeries()  # step -> GB/s
-        self.recent: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)  # (compute, dur)
+        # the recent steps' compute times and durations
+        self.recent_compute: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)
+        self.recent_dur: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)
 
-    def add(self, rows: np.ndarray) -> list[tuple[float, float]]:
-        """Rows of STEP_COLUMNS; returns the (step, samples/s) points they added."""
-        steps, dur, comm, compute, nbytes, samples = rows.T
-        ok = dur > 0
-        rates = np.divide(samples, dur, out=np.zeros(len(dur)), where=ok)
-        if self.rows == 0 and ok[0]:
-            self.first = (steps[:1], rates[:1])
-        if self.rows == 0:  # a run's first step is warm-up: it would dwarf the rest
-            ok[0] = False
-        self.rows += len(rows)
-        self.throughput.extend(steps[ok], rates[ok])
-        moving = (comm > 0) & (nbytes > 0)
-        self.bandwidth.extend(steps[moving], nbytes[moving] / comm[moving] / 1e9)
-        self.recent.extend(zip(compute[-SPLIT_WINDOW:], dur[-SPLIT_WINDOW:]))
-        return list(zip(steps[ok].tolist(), rates[ok].tolist()))
+    def add(self, steps: np.ndarray, rates: np.ndarray, shown: np.ndarray,
+            gbps: np.ndarray, moving: np.ndarray, compute: np.ndarray,
+            dur: np.ndarray) -> None:
+        """The rank's new steps, worked out over all ranks' rows (_RunLog._add_steps):
+        samples/s where `shown`, GB/s where `moving`. A run's first step is warm-up (it
+        would dwarf the rest): it is no longer `shown` after this call (a view of the
+        caller's mask)."""
+        if self.rows == 0:
+            if shown[0]:
+                self.first = (steps[:1].copy(), rates[:1].copy())
+            shown[0] = False
+        self.rows += len(steps)
+        self.throughput.extend(steps[shown], rates[shown])
+        self.bandwidth.extend(steps[moving], gbps[moving])
+        self.recent_compute.extend(compute[-SPLIT_WINDOW:].tolist())
+        self.recent_dur.extend(dur[-SPLIT_WINDOW:].tolist())
 
     def shown_throughput(self) -> Series:
         if self.rows == 1 and self.first is not None:
@@ -109,8 +112,9 @@ class _RankSteps:
 
     def split(self) -> tuple[float, float]:
         """Mean compute time and mean wait for communication over the recent steps."""
-        compute, dur = np.mean(self.recent, axis=0)
-        return compute, max(dur - compute, 0.0)
+        n = len(self.recent_dur)
+        compute = sum(self.recent_compute) / n
+        return compute, max(sum(self.recent_dur) / n - compute, 0.0)
 
 
 class _RunLog:
@@ -119,15 +123,13 @@ class _RunLog:
 
     def __init__(self, cell: CellWindow, band: bool = False):
         self.cell = cell
-        # ranks as a band: their throughput and bandwidth as median and min-max per step
+        # ranks as a band: their throughput and bandwidth as median and min-max per step;
+        # the throughput's band also sums the ranks (the total), band or not
         self.band = band
         self.throughput_band = StepBand()
         self.bandwidth_band = StepBand()
         self.position: dict[str, dict] = {"step": {}, "log": {}}  # the store's rows taken
         self.ranks: dict[int, _RankSteps] = {}
-        # samples/s summed over the ranks, at the steps every rank has reported
-        self.total = GrowingSeries()
-        self._pending: dict[float, dict[int, float]] = {}  # step -> rank -> samples/s
         self.scalars: dict[str, GrowingSeries] = {}  # name -> mean over ranks per step
         # the same scalars against how many values of each a rank has logged (mean over
         # ranks per count): a cell that logs without training steps logs every value at
@@ -138,35 +140,54 @@ class _RunLog:
         self.last_step: int | None = None
         self._lock = threading.Lock()
 
+    @property
+    def total(self) -> GrowingSeries:
+        """samples/s summed over the ranks, at the steps every rank has reported."""
+        return self.throughput_band.total
+
     def update(self, store) -> int:
         """Take the rows that arrived since the last call; how many were the run's."""
         with self._lock:  # the receiver's thread and a final display may both read
-            taken = 0
             window = self.cell.bounds(store)
-            batches = store.new_rows("step", self.position["step"], window=window)
-            # ranks new to the run join the total together: one retotal, not one per
-            # rank (1,024 ranks' first rows: 52 s, now a fraction of a second)
-            joined = [rank for rank, _, _ in batches if rank not in self.ranks]
-            for rank in joined:
-                self.ranks[rank] = _RankSteps()
-            for rank, _, rows in batches:
-                rows = rows[:, _STEP_INDEX]
-                steps = self.ranks[rank]
-                had = steps.bandwidth.n
-                points = steps.add(rows)
-                if not joined:
-                    self._add_to_total(rank, points)
-                    if self.band:
-                        self.throughput_band.add(rank, points, len(self.ranks))
-                        self.bandwidth_band.add(rank, zip(steps.bandwidth.x[had:].tolist(),
-                                                          steps.bandwidth.y[had:].tolist()),
-                                                len(self.ranks))
-                self._saw(int(rows[:, 0].max()))
-                taken += len(rows)
-            if joined:
-                self._retotal()
+            taken = self._add_steps(store.new_rows("step", self.position["step"],
+                                                   window=window))
             return taken + self._add_logs(
                 store.new_rows("log", self.position["log"], window=window))
+
+    def _add_steps(self, batches: list[tuple[int, tuple, np.ndarray]]) -> int:
+        """The ranks' new steps: the arithmetic over all of their rows at once (1,024
+        ranks' rows every redraw), then each rank's series and the steps every rank has
+        reported into the bands."""
+        if not batches:
+            return 0
+        # ranks new to the run join the bands together: one rebuild, not one per rank
+        joined = [rank for rank, _, _ in batches if rank not in self.ranks]
+        for rank in joined:
+            self.ranks[rank] = _RankSteps()
+        rows = np.concatenate([rows for _, _, rows in batches])[:, _STEP_INDEX]
+        steps, dur, comm, compute, nbytes, samples = rows.T
+        shown = dur > 0
+        rates = np.divide(samples, dur, out=np.zeros(len(dur)), where=shown)
+        moving = (comm > 0) & (nbytes > 0)
+        gbps = np.divide(nbytes, comm, out=np.zeros(len(dur)), where=moving) / 1e9
+        owner = np.empty(len(rows), dtype=np.int64)
+        start = 0
+        for rank, _, part in batches:
+            end = start + len(part)
+            owner[start:end] = rank
+            self.ranks[rank].add(steps[start:end], rates[start:end], shown[start:end],
+                                 gbps[start:end], moving[start:end], compute[start:end],
+                                 dur[start:end])
+            start = end
+        if joined:
+            self._rebuild_bands()
+        else:
+            self.throughput_band.add(owner[shown], steps[shown], rates[shown], len(self.ranks))
+            if self.band:
+                self.bandwidth_band.add(owner[moving], steps[moving], gbps[moving],
+                                        len(self.ranks))
+        self._saw(int(steps.max()))
+        return len(rows)
 
     def snapshot(self) -> _Snapshot:
         """The plots' data, downsampled."""
@@ -198,33 +219,12 @@ class _RunLog:
         training steps and its steps do not tell the values apart."""
         return self.counted if self._steps_repeat and not self.ranks else self.scalars
 
-    def _add_to_total(self, rank: int, points: list[tuple[float, float]]) -> None:
-        """A step counts once every rank has reported it (its first report, if twice)."""
-        done = self.total.x[-1] if self.total.n else -np.inf
-        complete = []
-        for step, rate in points:
-            if step <= done:
-                continue
-            reported = self._pending.setdefault(step, {})
-            reported.setdefault(rank, rate)
-            if len(reported) == len(self.ranks):
-                complete.append(step)
-        if complete:
-            complete.sort()
-            self.total.extend(complete, [sum(self._pending[s].values()) for s in complete])
-            self._pending = {s: r for s, r in self._pending.items() if s > complete[-1]}
-
-    def _retotal(self) -> None:
-        self.total = GrowingSeries()
-        self._pending = {}
-        self.throughput_band, self.bandwidth_band = StepBand(), StepBand()
-        for rank, steps in self.ranks.items():
-            points = list(zip(steps.throughput.x.tolist(), steps.throughput.y.tolist()))
-            self._add_to_total(rank, points)
-            if self.band:
-                self.throughput_band.add(rank, points, len(self.ranks))
-                self.bandwidth_band.add(rank, zip(steps.bandwidth.x.tolist(),
-                                                  steps.bandwidth.y.tolist()), len(self.ranks))
+    def _rebuild_bands(self) -> None:
+        """The bands (and the total) again from every rank's series: a rank joined, and
+        the steps count once every rank of the run has reported them."""
+        self.throughput_band = _band_of({r: s.throughput for r, s in self.ranks.items()})
+        self.bandwidth_band = (_band_of({r: s.bandwidth for r, s in self.ranks.items()})
+                               if self.band else StepBand())
 
     def _add_logs(self, logs: list[tuple[int, tuple, np.ndarray]]) -> int:
         """A scalar's point at a step (or count) is the mean of the values the ranks
@@ -258,6 +258,15 @@ class _RunLog:
         self.last_step = step if self.last_step is None else max(self.last_step, step)
 
 
+def _band_of(series: dict[int, GrowingSeries]) -> StepBand:
+    """A band of every rank's whole series (rank -> its series)."""
+    band = StepBand()
+    band.add(np.concatenate([np.full(one.n, rank) for rank, one in series.items()]),
+             np.concatenate([one.x for one in series.values()]),
+             np.concatenate([one.y for one in series.values()]), len(series))
+    return band
+
+
 _EMPTY: Series = (np.empty(0), np.empty(0))
 
 
@@ -279,8 +288,10 @@ def slowest_ranks(split: dict[int, tuple[float, float]],
     takes as long as the slowest rank's: step times and throughput are the same on all
     ranks, and a straggler shows as the rank that computes longest while its peers wait
     for it in communication."""
-    ranked = sorted(split.items(), key=lambda item: (-item[1][0], item[0]))
-    return [(rank, compute) for rank, (compute, _) in ranked[:count]]
+    ranks = np.fromiter(split, dtype=np.int64, count=len(split))
+    compute = np.fromiter((c for c, _ in split.values()), dtype=float, count=len(split))
+    slowest = np.lexsort((ranks, -compute))[:count]  # by compute, then by rank
+    return list(zip(ranks[slowest].tolist(), compute[slowest].tolist()))
 
 
 def _panels_with_data(snap: _Snapshot) -> tuple[str, ...]:

@@ -78,34 +78,44 @@ def smoothed_traces(figure_data: list, traces: dict[int, tuple[np.ndarray, np.nd
 
 
 class StepBand:
-    """The ranks as a band: at each step the median, min and max of one value over the
-    ranks, once every rank of the run has reported that step (a rank's first report of
-    a step counts, as for the total). Past a few ranks one line per rank is unreadable
-    (and costs a trace each); the band shows the spread and the median, and the ranks
-    at its edge are named elsewhere."""
+    """The ranks at each step: the median, min, max and sum of one value over the ranks,
+    once every rank of the run has reported that step (a rank's first report of a step
+    counts). Past a few ranks one line per rank is unreadable (and costs a trace each);
+    the band shows the spread and the median, and the ranks at its edge are named
+    elsewhere. The sum is the run's total (samples/s of all ranks)."""
 
     def __init__(self):
         self.median, self.low, self.high = GrowingSeries(), GrowingSeries(), GrowingSeries()
+        self.total = GrowingSeries()
         self._pending: dict[float, dict[int, float]] = {}  # step -> rank -> value
+        self._done = -math.inf  # the newest complete step: older reports come too late
 
-    def add(self, rank: int, points, ranks: int) -> None:
-        """(step, value) points of `rank`; `ranks`: how many ranks the run has now."""
-        done = self.median.x[-1] if self.median.n else -np.inf
+    def add(self, ranks, steps, values, world: int) -> None:
+        """Points (rank, step, value), as three sequences; `world`: how many ranks the
+        run has now."""
+        done, pending = self._done, self._pending
         complete = []
-        for step, value in points:
+        for rank, step, value in zip(np.asarray(ranks).tolist(), np.asarray(steps).tolist(),
+                                     np.asarray(values).tolist()):
             if step <= done:
                 continue
-            reported = self._pending.setdefault(step, {})
-            reported.setdefault(rank, value)
-            if len(reported) >= ranks:
-                complete.append(step)
-        if complete:
-            complete.sort()
-            values = [np.fromiter(self._pending[s].values(), dtype=float) for s in complete]
-            self.median.extend(complete, [float(np.median(v)) for v in values])
-            self.low.extend(complete, [float(v.min()) for v in values])
-            self.high.extend(complete, [float(v.max()) for v in values])
-            self._pending = {s: r for s, r in self._pending.items() if s > complete[-1]}
+            reported = pending.get(step)
+            if reported is None:
+                reported = pending[step] = {}
+            if rank not in reported:
+                reported[rank] = value
+                if len(reported) >= world:
+                    complete.append(step)
+        if not complete:
+            return
+        complete.sort()
+        values = [np.fromiter(pending[s].values(), dtype=float) for s in complete]
+        self.median.extend(complete, [float(np.median(v)) for v in values])
+        self.low.extend(complete, [float(v.min()) for v in values])
+        self.high.extend(complete, [float(v.max()) for v in values])
+        self.total.extend(complete, [float(v.sum()) for v in values])
+        self._done = complete[-1]
+        self._pending = {s: r for s, r in pending.items() if s > self._done}
 
     def downsampled(self) -> tuple[tuple[np.ndarray, np.ndarray], ...]:
         """(low, high, median), each (x, y), downsampled."""
