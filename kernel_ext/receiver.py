@@ -4,6 +4,7 @@ metrics store a round at a time."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -24,6 +25,16 @@ BEHIND_NOTIFY_S = 1.0
 # most this many, and as many as make DRAIN_BYTES (a round's end waits for no more)
 DRAIN_MESSAGES = 512
 DRAIN_BYTES = 256 * 1024
+# While a receiver is open, CPython's collector starts a young collection after this many
+# net allocations instead of its default 700. Filing a thousand ranks' records keeps tens
+# of thousands of decoded records in flight a second: at 700 a young collection ran every
+# few hundred records and moved those in flight to the old generation, whose growth then
+# set off a full collection of the kernel's objects (0.1-0.15 s each) every two seconds,
+# a fifth of the kernel's CPU at 1,024 ranks. A threshold set higher already is kept.
+GC_YOUNG_THRESHOLD = 10_000
+_open_receivers: list[RecordReceiver] = []
+_gc_lock = threading.Lock()
+_saved_threshold: tuple[int, ...] | None = None  # the collector's, before the first receiver
 
 
 class RecordReceiver:
@@ -41,6 +52,7 @@ class RecordReceiver:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="mpilab-receiver", daemon=True)
         self._thread.start()
+        _tune_gc(self, opening=True)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -86,3 +98,26 @@ class RecordReceiver:
         self._stop.set()
         self._thread.join(timeout=2)
         self._sock.close()
+        _tune_gc(self, opening=False)
+
+
+def _tune_gc(receiver: RecordReceiver, opening: bool) -> None:
+    """Raise the collector's young threshold while any receiver is open (GC_YOUNG_THRESHOLD)
+    and give the user's back once the last one closes, unless it was changed meanwhile."""
+    global _saved_threshold
+    with _gc_lock:
+        if opening:
+            if not _open_receivers:
+                current = gc.get_threshold()
+                if current[0] < GC_YOUNG_THRESHOLD:
+                    _saved_threshold = current
+                    gc.set_threshold(GC_YOUNG_THRESHOLD, *current[1:])
+            _open_receivers.append(receiver)
+            return
+        if receiver not in _open_receivers:
+            return  # closed twice
+        _open_receivers.remove(receiver)
+        if not _open_receivers and _saved_threshold is not None:
+            if gc.get_threshold()[0] == GC_YOUNG_THRESHOLD:
+                gc.set_threshold(*_saved_threshold)
+            _saved_threshold = None

@@ -584,3 +584,29 @@ def test_a_round_ends_while_records_keep_coming(monkeypatch):
     finally:
         push.close(linger=0)
         receiver.close()
+
+
+def test_receivers_raise_the_young_gc_threshold_while_open_and_give_it_back():
+    """Filing a thousand ranks' records with CPython's default young threshold set off
+    full collections every two seconds; the user's setting returns when the last
+    receiver closes."""
+    import gc
+
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, 10, 10)
+        first, second = RecordReceiver(MetricsStore(world_size=1)), \
+            RecordReceiver(MetricsStore(world_size=1))
+        assert gc.get_threshold() == (receiver_module.GC_YOUNG_THRESHOLD, 10, 10)
+        first.close()
+        assert gc.get_threshold()[0] == receiver_module.GC_YOUNG_THRESHOLD  # one still open
+        second.close()
+        second.close()
+        assert gc.get_threshold() == (700, 10, 10)
+        gc.set_threshold(50_000, 5, 5)  # a user's own, higher: kept
+        third = RecordReceiver(MetricsStore(world_size=1))
+        assert gc.get_threshold() == (50_000, 5, 5)
+        third.close()
+        assert gc.get_threshold() == (50_000, 5, 5)
+    finally:
+        gc.set_threshold(*saved)

@@ -446,19 +446,21 @@ class Dashboard:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is drawing this very moment
         try:
+            started = time.thread_time()
             # heartbeats change the store's version too: they are not worth a redraw
             if not self._runlog.update(self.store) and not force:
                 self._drawn_version = version
                 return False
             self._drawn_version, self._drawn_at = version, now
+            made = time.thread_time()
             widget = self.widget  # made once; its first-time cost is not a redraw's
-            started = time.thread_time()
+            started += time.thread_time() - made
             self._draw(widget, self._runlog.snapshot())  # updated just above
             self.redraws += 1
-            # drawing takes at most 1/REDRAW_BUDGET of a core (the ranks may share the
-            # kernel's cores) however dear a redraw gets (many scalars, a slow host). CPU
-            # time: a redraw the ranks preempted cost no more, and spacing the next ones
-            # would only delay the data
+            # a redraw (taking the new rows, then drawing) takes at most 1/REDRAW_BUDGET
+            # of a core (the ranks may share the kernel's cores) however dear it gets
+            # (many ranks or scalars, a slow host). CPU time: a redraw the ranks
+            # preempted cost no more, and spacing the next ones would only delay the data
             cost = time.thread_time() - started
             self._min_interval = max(MIN_REDRAW_INTERVAL_S, REDRAW_BUDGET * cost)
         finally:
