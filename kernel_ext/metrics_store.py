@@ -299,10 +299,13 @@ class MetricsStore:
                                             int(start.get("cell", 0)))
         return marks
 
-    def heartbeat_ages(self) -> dict[int, float]:
+    def heartbeat_ages(self, over: float = -math.inf) -> dict[int, float]:
+        """rank -> seconds since its last record, of the ranks silent longer than `over`
+        (the watchdog asks 20 times a second for the few silent ones of 1,024)."""
         now = time.monotonic()
+        since = now - over
         with self._lock:
-            return {r: now - t for r, t in self.last_seen.items()}
+            return {r: now - t for r, t in self.last_seen.items() if t < since}
 
     def clear(self) -> None:
         """Forget the metrics of the previous runs. Heartbeats and events stay: they are

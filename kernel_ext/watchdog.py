@@ -183,6 +183,7 @@ class Watchdog:
         self._ledger = CollectiveLedger()
         self._procs = {rank: proc for rank, proc in cluster.local_processes().items()
                        if rank in self._ranks}
+        self._remote = [r for r in ranks if r not in self._procs and r in self._info]
 
     def _compares(self, hb: dict) -> bool:
         """A heartbeat whose collectives are compared: a rank of this cell's, sent
@@ -205,17 +206,17 @@ class Watchdog:
                 except psutil.Error:
                     pass
                 dead[rank] = self._cause(rank)
-            remote = [r for r in self.ranks if r not in self._procs and r in self._info]
-            if remote:  # their supervisors' reports reach the launcher's output
+            if self._remote:  # their supervisors' reports reach the launcher's output
                 reported = reported_causes(self.cluster.engine_output(lines=200))
-                for rank in remote:
+                for rank in self._remote:
                     info = self._info[rank]
                     cause = reported.get((info["host"], info["pid"]))
                     if cause is not None:
                         dead[rank] = cause
-        ages = self.cluster.store.heartbeat_ages() if self.cluster.store else {}
-        silent = {r: ages.get(r, 0.0) for r in self.ranks
-                  if r not in self._procs and r not in dead}
+        store = self.cluster.store
+        ages = store.heartbeat_ages(DEAD_HEARTBEAT_S - SILENT_TOGETHER_S) if store else {}
+        silent = {r: age for r, age in ages.items()
+                  if r in self._ranks and r not in self._procs and r not in dead}
         if silent and max(silent.values()) > DEAD_HEARTBEAT_S:
             for rank, age in silent.items():
                 if age > DEAD_HEARTBEAT_S - SILENT_TOGETHER_S:
