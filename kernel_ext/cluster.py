@@ -424,17 +424,10 @@ class RankCluster:
         """rank -> psutil handle of its engine, for the ranks on this host; made once per
         start (every cell's watchdog checks them, and making one reads /proc: ~0.4 ms a
         rank). A handle remembers its process's start time, so a pid reused later never
-        passes for a rank."""
+        passes for a rank. A rank of this host without one had ended when they were
+        made."""
         if self._local is None:
-            import psutil
-
-            here, self._local = socket.gethostname(), {}
-            for info in self.ranks:
-                if info["host"] == here:
-                    try:
-                        self._local[info["rank"]] = psutil.Process(info["pid"])
-                    except psutil.Error:
-                        pass
+            self._local = local_processes(self.ranks)
         return self._local
 
     def launcher_pids(self) -> list[int]:
@@ -444,6 +437,31 @@ class RankCluster:
             return []
         launchers = [cluster.controller, *getattr(cluster, "engines", {}).values()]
         return [p for p in (getattr(x, "pid", None) for x in launchers if x) if p]
+
+
+def local_processes(ranks: list[dict]) -> dict:
+    """rank -> psutil handle of its engine, for those of `ranks` (RankCluster.ranks)
+    whose host is this one and whose process runs now."""
+    import psutil
+
+    here, handles = socket.gethostname(), {}
+    for info in ranks:
+        if info["host"] == here:
+            try:
+                handles[info["rank"]] = psutil.Process(info["pid"])
+            except psutil.Error:
+                pass
+    return handles
+
+
+def engine_alive(proc) -> bool:
+    """Whether a local_processes() handle's process still runs (a zombie does not)."""
+    import psutil
+
+    try:
+        return proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _launched_processes(cluster) -> list:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .cell import RunOptions
-from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport
+from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport, engine_alive
 from .runner import CellRunner
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
@@ -232,18 +232,10 @@ def live_rank_info(cluster) -> Callable[[], list[dict]]:
     stopped or restarted, every rank is `dead` and `stopped`."""
     import socket
 
-    import psutil
-
     ranks = cluster.ranks  # a restart makes a new list
     shown = [dict(info) for info in ranks]
-    host = socket.gethostname()
-    procs = {}
-    for info in shown:
-        if info.get("host") == host:
-            try:
-                procs[info["rank"]] = psutil.Process(info["pid"])
-            except psutil.Error:
-                procs[info["rank"]] = None
+    here = socket.gethostname()
+    procs = cluster.local_processes()  # a rank of this host without one had ended
 
     def rank_info() -> list[dict]:
         if cluster.ranks is not ranks:
@@ -252,24 +244,13 @@ def live_rank_info(cluster) -> Callable[[], list[dict]]:
         now = []
         for info in shown:
             dead = cluster.dead.get(info["rank"], "")
-            if not dead and info["rank"] in procs:
-                dead = _process_ended(procs[info["rank"]])
+            if not dead and info.get("host") == here \
+                    and not engine_alive(procs.get(info["rank"])):
+                dead = "its process has ended"
             now.append(dict(info, dead=dead))
         return now
 
     return rank_info
-
-
-def _process_ended(proc) -> str:
-    """'' while the rank's process runs; else what the table says about it."""
-    import psutil
-
-    try:
-        if proc is not None and proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-            return ""
-    except psutil.Error:
-        pass
-    return "its process has ended"
 
 
 def latest_dashboard(runs: list, store, world_size: int):

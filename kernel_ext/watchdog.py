@@ -13,9 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import psutil
-
 from .cell_window import CellWindow
+from .cluster import engine_alive
 from .wire import exit_reports
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
@@ -200,12 +199,8 @@ class Watchdog:
         if now >= self._next_process_check:
             self._next_process_check = now + PROCESS_CHECK_S
             for rank, proc in self._procs.items():
-                try:
-                    if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
-                        continue
-                except psutil.Error:
-                    pass
-                dead[rank] = self._cause(rank)
+                if not engine_alive(proc):
+                    dead[rank] = self._cause(rank)
             if self._remote:  # their supervisors' reports reach the launcher's output
                 reported = reported_causes(self.cluster.engine_output(lines=200))
                 for rank in self._remote:

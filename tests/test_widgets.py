@@ -590,6 +590,7 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
     import subprocess
     import sys
 
+    from mpilab.cluster import local_processes
     from mpilab.session import live_rank_info
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -599,6 +600,10 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
                       "device": "cpu"},
                      {"rank": 1, "host": "elsewhere", "pid": 1, "device": "cpu"}]
             dead: dict[int, str] = {}
+
+            @staticmethod
+            def local_processes() -> dict:  # as RankCluster makes them at start
+                return local_processes(Cluster.ranks)
 
         info = live_rank_info(Cluster)
         assert [i["dead"] for i in info()] == ["", ""]
