@@ -76,6 +76,21 @@ _STEP_INDEX = [TABLES["step"].columns.index(column) for column in STEP_COLUMNS]
 _LOG_INDEX = [TABLES["log"].columns.index(column) for column in ("step", "value")]
 
 
+@dataclass
+class _NewSteps:
+    """A round's step rows of all ranks, worked out at once: per row its step, samples/s
+    (`shown` where it counts: a positive duration, not a run's warm-up step), GB/s
+    (where `moving`: a step that sent bytes), compute time and duration."""
+
+    steps: np.ndarray
+    rates: np.ndarray
+    shown: np.ndarray
+    gbps: np.ndarray
+    moving: np.ndarray
+    compute: np.ndarray
+    dur: np.ndarray
+
+
 class _RankSteps:
     """One rank's step records, as the plots use them."""
 
@@ -88,22 +103,14 @@ class _RankSteps:
         self.recent_compute: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)
         self.recent_dur: collections.deque = collections.deque(maxlen=SPLIT_WINDOW)
 
-    def add(self, steps: np.ndarray, rates: np.ndarray, shown: np.ndarray,
-            gbps: np.ndarray, moving: np.ndarray, compute: np.ndarray,
-            dur: np.ndarray) -> None:
-        """The rank's new steps, worked out over all ranks' rows (_RunLog._add_steps):
-        samples/s where `shown`, GB/s where `moving`. A run's first step is warm-up (it
-        would dwarf the rest): it is no longer `shown` after this call (a view of the
-        caller's mask)."""
-        if self.rows == 0:
-            if shown[0]:
-                self.first = (steps[:1].copy(), rates[:1].copy())
-            shown[0] = False
+    def add(self, new: _NewSteps, part: slice) -> None:
+        """This rank's rows of a round (`part` of them)."""
+        steps, shown, moving = new.steps[part], new.shown[part], new.moving[part]
         self.rows += len(steps)
-        self.throughput.extend(steps[shown], rates[shown])
-        self.bandwidth.extend(steps[moving], gbps[moving])
-        self.recent_compute.extend(compute[-SPLIT_WINDOW:].tolist())
-        self.recent_dur.extend(dur[-SPLIT_WINDOW:].tolist())
+        self.throughput.extend(steps[shown], new.rates[part][shown])
+        self.bandwidth.extend(steps[moving], new.gbps[part][moving])
+        self.recent_compute.extend(new.compute[part][-SPLIT_WINDOW:].tolist())
+        self.recent_dur.extend(new.dur[part][-SPLIT_WINDOW:].tolist())
 
     def shown_throughput(self) -> Series:
         if self.rows == 1 and self.first is not None:
@@ -170,14 +177,18 @@ class _RunLog:
         rates = np.divide(samples, dur, out=np.zeros(len(dur)), where=shown)
         moving = (comm > 0) & (nbytes > 0)
         gbps = np.divide(nbytes, comm, out=np.zeros(len(dur)), where=moving) / 1e9
+        new = _NewSteps(steps, rates, shown, gbps, moving, compute, dur)
         owner = np.empty(len(rows), dtype=np.int64)
         start = 0
         for rank, _, part in batches:
             end = start + len(part)
             owner[start:end] = rank
-            self.ranks[rank].add(steps[start:end], rates[start:end], shown[start:end],
-                                 gbps[start:end], moving[start:end], compute[start:end],
-                                 dur[start:end])
+            one = self.ranks[rank]
+            if one.rows == 0:  # a run's first step is warm-up: it would dwarf the rest
+                if shown[start]:
+                    one.first = (steps[start:start + 1].copy(), rates[start:start + 1].copy())
+                shown[start] = False
+            one.add(new, slice(start, end))
             start = end
         if joined:
             self._rebuild_bands()
@@ -446,15 +457,13 @@ class Dashboard:
         if not self._lock.acquire(blocking=False):
             return False  # another thread is drawing this very moment
         try:
+            widget = self.widget  # made once (there is data); not a redraw's cost
             started = time.thread_time()
             # heartbeats change the store's version too: they are not worth a redraw
             if not self._runlog.update(self.store) and not force:
                 self._drawn_version = version
                 return False
             self._drawn_version, self._drawn_at = version, now
-            made = time.thread_time()
-            widget = self.widget  # made once; its first-time cost is not a redraw's
-            started += time.thread_time() - made
             self._draw(widget, self._runlog.snapshot())  # updated just above
             self.redraws += 1
             # a redraw (taking the new rows, then drawing) takes at most 1/REDRAW_BUDGET
