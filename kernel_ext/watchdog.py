@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -92,7 +93,8 @@ class CollectiveLedger:
         elif known[0] != what:
             self._clashes.setdefault(seq, {known[1]: known[0]})[rank] = what
 
-    def mismatch(self, heartbeats: dict[int, dict], counts=None) -> str | None:
+    def mismatch(self, heartbeats: dict[int, dict],
+                 counts: Callable[[dict], bool] | None = None) -> str | None:
         """The first mismatched collective seen so far, as one line (None: none).
         `counts(hb)`: whether a heartbeat is one to compare (its rank's, of this cell);
         asked of the heartbeats that changed since the last read only."""

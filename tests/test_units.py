@@ -389,3 +389,21 @@ def test_collective_ledger_names_the_first_mismatch_and_keeps_it():
     # a mismatch stays found after the ranks' windows moved past it
     moved = {r: beat([(9, "allreduce", 64)]) for r in range(3)}
     assert "rank 2 in broadcast #3" in ledger.mismatch(moved)
+
+
+def test_collective_ledger_reads_many_heartbeats_over_several_checks(monkeypatch):
+    """A check reads at most READS_PER_CHECK changed heartbeats and the next one takes up
+    where it stopped: a mismatch in the last of 10 ranks is found by the fourth check,
+    with 3 read a check, and a check with nothing new reads nothing."""
+    from mpilab.watchdog import CollectiveLedger
+
+    monkeypatch.setattr(CollectiveLedger, "READS_PER_CHECK", 3)
+    ledger = CollectiveLedger()
+    beats = {r: {"recent": [[1, "allreduce", 64]]} for r in range(10)}
+    beats[9] = {"recent": [[1, "broadcast", 8]]}
+    for _ in range(3):
+        assert ledger.mismatch(beats) is None and ledger.behind
+    found = ledger.mismatch(beats)  # ranks 9, then nothing left
+    assert found.startswith("mismatched collectives: rank 0 in allreduce #1 (64 bytes)")
+    assert found.endswith("rank 9 in broadcast #1 (8 bytes)") and not ledger.behind
+    assert ledger.mismatch(beats) == found and not ledger.behind
