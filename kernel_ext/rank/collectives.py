@@ -57,7 +57,9 @@ def _make_comms(interruptible: bool = True) -> None:
 
 
 def _renew_comms() -> None:
-    """Recovery (all ranks present, abort still set): the old ones are out of step."""
+    """Recovery (all ranks present, abort still set): the old ones are out of step, and
+    so are the tensors' plans made over them."""
+    _plans.clear()
     _make_comms(interruptible=False)
 
 
@@ -138,9 +140,9 @@ class TensorPlan:
     the tensor, alive as the caller's argument, still has that memory.
     """
 
-    __slots__ = ("ref", "ptr", "shape", "dtype", "comm", "nbytes", "size", "raw", "array",
+    __slots__ = ("ref", "ptr", "shape", "dtype", "nbytes", "size", "raw", "array",
                  "mean", "reduce", "broadcast", "gather", "gathered_shape",
-                 "gathered_bytes", "engine", "small")
+                 "gathered_bytes", "engine", "small", "contexts")
 
     def reducer(self, op: str) -> Callable[[np.ndarray], None]:
         """The function that reduces `array` for `op` (sum, mean, max, min; a mean sums,
@@ -179,7 +181,7 @@ def tensor_plan(tensor: Any) -> TensorPlan | None:
     anything the general path takes (a list, a GPU, empty or non-contiguous tensor, a
     process without mpilab)."""
     plan = _plans.get(id(tensor))
-    if (plan is not None and plan.ref() is tensor and plan.comm is _comms.get("collectives")
+    if (plan is not None and plan.ref() is tensor
             and tensor.data_ptr() == plan.ptr and tensor.shape == plan.shape
             and tensor.dtype is plan.dtype and tensor.is_contiguous()):
         return plan
@@ -197,7 +199,7 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     key = id(tensor)
     plan.ref = weakref.ref(tensor, functools.partial(_drop_plan, key))
     plan.ptr, plan.shape = tensor.data_ptr(), tensor.shape
-    plan.dtype, plan.comm = tensor.dtype, comm
+    plan.dtype = tensor.dtype
     plan.size = comm.Get_size()
     plan.nbytes = tensor.numel() * tensor.element_size()
     plan.raw = _byte_view(plan.ptr, plan.nbytes)
@@ -214,6 +216,9 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.reduce = reducer(comm)
     plan.engine = route.node if route.path == "shm" else None
     plan.small = {}
+    # the main thread's heartbeat and span context of each collective (waiting.reuse)
+    plan.contexts = {kind: waiting.kept_collective(kind, plan.nbytes, plan.shape)
+                     for kind in ("allreduce", "broadcast", "allgather")}
     if route.path == "shm":
         # one-shots made for this size where it fits in one piece or chunk. The engine's
         # ranks announce which collective they are in with every arrival: ranks in
@@ -262,7 +267,7 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
             and op in WIRE_OP:
         # a CPU tensor over mpilab's MPI path: its plan, no per-call views or strings
         run = plan.small.get(op) or plan.reducer(op)
-        with waiting.collective("allreduce", plan.nbytes, plan.shape):
+        with waiting.reuse(plan.contexts["allreduce"]):
             run(plan.array)
         return tensor
     context()
@@ -301,7 +306,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     """Copy rank `root`'s `tensor` into `tensor` on every rank; returns it."""
     plan = tensor_plan(tensor)
     if plan is not None and backend in _HOST_TRANSPORTS and 0 <= root < plan.size:
-        with waiting.collective("broadcast", plan.nbytes, plan.shape):
+        with waiting.reuse(plan.contexts["broadcast"]):
             plan.broadcast(plan.raw, root)
         return tensor
     ctx = context()
@@ -343,7 +348,7 @@ def allgather(tensor: torch.Tensor, backend: str = "auto",
                     or target.dtype is not plan.dtype):
                 return _allgather(tensor, backend, out)
             recv = target.raw
-        with waiting.collective("allgather", plan.nbytes, plan.shape):
+        with waiting.reuse(plan.contexts["allgather"]):
             plan.gather(plan.raw, recv)
         return out
     return _allgather(tensor, backend, out)

@@ -186,6 +186,23 @@ def collective(op: str, nbytes: int = 0, shape: str | tuple = "") -> agent_mod.C
         get_ident() == agent_mod.main_ident() or getattr(_local, "for_main", False))
 
 
+def kept_collective(op: str, nbytes: int, shape: str | tuple) -> agent_mod.Collective:
+    """A collective's context made once for the main thread, for a caller that makes
+    the same collective again and again (a tensor's plan); used through `reuse`."""
+    return agent_mod.Collective(agent_mod._agent or agent_mod.current(), op, nbytes, shape,
+                                True)
+
+
+def reuse(kept: agent_mod.Collective) -> agent_mod.Collective:
+    """`kept` where it applies: on the main thread, with the agent it was made for (a
+    context is entered by one thread at a time, and the main thread's collectives never
+    nest). Elsewhere a fresh one, as `collective` makes. Making a context cost 0.45 µs of
+    a 4-µs allreduce of 4 KiB."""
+    if get_ident() == agent_mod._main_ident[0] and kept.agent is agent_mod._agent:
+        return kept
+    return collective(kept.op, kept.nbytes, kept.shape)
+
+
 # ----------------------------------------------------------- SIGINT while in backward
 # torch.autograd.backward and torch.autograd.grad enter the C++ engine from this function
 _BACKWARD_FRAME = "_engine_run_backward"
