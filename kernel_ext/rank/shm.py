@@ -54,6 +54,10 @@ CACHE_LINE = 64
 # A broadcast is cut into at least 4 chunks of at least this (at most chunk_bytes), so
 # the receivers copy one chunk out while the root copies the next one in.
 BROADCAST_PIECE_BYTES = 256 << 10
+# ... and a broadcast as large as the last-level cache (it streams from memory) into
+# pieces of this: 512 KiB pieces moved 32 and 64 MiB 1.16-1.42x faster than 2 MiB ones on
+# 2 ranks (three runs), where below the cache's size 2 MiB pieces were faster.
+STREAMING_PIECE_BYTES = 512 << 10
 # 2 MiB per slot: large enough that Python's per-chunk overhead (a few µs) is small
 # beside the copy, small enough that both slots of every rank stay in the last-level
 # cache (much smaller chunks lose bandwidth to that overhead, larger ones to the cache).
@@ -68,6 +72,21 @@ UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 _KIND_CODES = {"sum": 1, "max": 2, "min": 3, "broadcast": 4, "allgather": 5, "barrier": 6}
 _RING = 4  # signatures kept per rank, by epoch (ranks are at most one epoch apart)
+
+
+def last_level_cache_bytes() -> int:
+    """The size of this CPU's largest cache, from sysfs (32 MiB where it cannot say)."""
+    best = 0
+    base = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for index in os.listdir(base):
+            with open(f"{base}/{index}/size") as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            best = max(best, int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        pass
+    return best or 32 << 20
 
 
 def signature(kind: str, nbytes: int, root: int = 0) -> int:
@@ -160,6 +179,8 @@ class ShmEngine:
         # reduce-scatter/all-gather at 128 KiB, even at 512 KiB).
         self.oneshot_bytes = min(self.chunk_bytes, (256 << 10) // (self.size - 1))
         self._allgather_piece = min(self.chunk_bytes, ALLGATHER_PIECE_BYTES)
+        # agreed: every rank of a broadcast must cut it into the same pieces
+        self._cache_bytes = node_comm.allreduce(last_level_cache_bytes(), op=MPI.MIN)
         self._epoch = 0
         self._sig = 0  # the signature of the collective in progress
         self._owed = 0  # an epoch this rank arrived at without waiting for the others
@@ -545,6 +566,8 @@ class ShmEngine:
     def _broadcast(self, arr: np.ndarray, root: int) -> None:
         dt = arr.dtype
         piece = min(self.chunk_bytes, max(BROADCAST_PIECE_BYTES, arr.nbytes // 4))
+        if arr.nbytes >= self._cache_bytes:
+            piece = min(piece, STREAMING_PIECE_BYTES)
         step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
         count = min(step, arr.size)
         views = self._views(dt, count)

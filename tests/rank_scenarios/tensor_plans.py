@@ -67,6 +67,15 @@ def main(ctx: Any, report: Any) -> None:
             want = torch.stack([pattern(count, dtype, q) for q in range(n)])
             if g.shape != want.shape or g.dtype != dtype or not torch.equal(g, want):
                 bad.append(f"allgather {dtype} {count}")
+    # a broadcast as large as the last-level cache streams in smaller pieces
+    engine = plan_for(collectives.private_comm()).node
+    if engine is not None:
+        count = engine._cache_bytes // 4 + 5
+        for root in range(n):
+            x = pattern(count, torch.float32, r)
+            mpilab.broadcast(x, root=root)
+            if not torch.equal(x, pattern(count, torch.float32, root)):
+                bad.append(f"broadcast float32 {count} root {root}")
     out["bad"] = bad
     out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
     # into a buffer: reused, returned; a transposed one is filled too; a wrong one is named
