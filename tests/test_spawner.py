@@ -10,7 +10,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import psutil
 import pytest
@@ -71,6 +73,32 @@ def test_a_supervisor_killed_takes_its_engine_and_the_spawner_along(spawned):
         assert not alive, [p.cmdline()[:3] for p in alive]
     finally:
         assert spawned.run("%mpilab stop", timeout=120).ok
+
+
+def test_a_forked_engine_runs_on_the_cores_its_rank_was_bound_to(tmp_path):
+    """A launcher that binds ranks to cores (`mpiexec -bind-to core`, Slurm's
+    --cpu-bind) binds their supervisors; each engine forked by the spawner (which is the
+    first supervisor's child, bound to its core) runs where its own rank was bound."""
+    mpiexec = tmp_path / "mpiexec"
+    mpiexec.write_text(f'#!/bin/sh\nexec {Path(sys.executable).parent / "mpiexec"} '
+                       '-bind-to core "$@"\n')
+    mpiexec.chmod(0o755)
+    kernel = Kernel(env={"MPILAB_SPAWNER": "1"})
+    try:
+        assert kernel.run("%load_ext mpilab").ok
+        started = kernel.run(f"%mpilab start -n 2 --mpiexec {mpiexec}", timeout=180)
+        assert started.ok, started.text
+        run = kernel.run("%%ranks\nimport json, os, psutil\nprint(json.dumps({'rank': rank, "
+                         "'cpus': sorted(os.sched_getaffinity(0)), "
+                         "'parent': psutil.Process(os.getppid()).cmdline()[1:3]}))")
+        assert run.ok, run.text
+        found = [json.loads(line.split("] ", 1)[1]) for line in run.stdout.splitlines()
+                 if line.startswith("[rank")]
+        assert all(r["parent"] == ["-m", "mpilab.rank.spawner"] for r in found), found
+        assert sorted(r["cpus"] for r in found) == [[0], [1]], found
+        assert kernel.run("%mpilab stop", timeout=120).ok
+    finally:
+        kernel.shutdown()
 
 
 def test_turned_off_each_engine_is_its_supervisors_child_where_ranks_outnumber_cores():
@@ -161,6 +189,29 @@ def test_a_spawner_that_cannot_fork_engines_refuses_and_the_rank_starts_its_own(
     asked = time.monotonic()
     assert spawner.spawn(["--never-run"]) is None
     assert time.monotonic() - asked < 2  # no asking again until CONNECT_S runs out
+    serving.join(10)
+    assert not serving.is_alive()
+    listener.close()
+
+
+def test_a_rank_bound_to_cpus_the_spawner_may_not_use_starts_its_own(monkeypatch):
+    """A cgroup can confine the spawner to other CPUs than a rank was bound to: that
+    rank's request is refused (its supervisor starts the engine itself) rather than
+    answered with an engine on the wrong CPUs."""
+    import socket
+
+    from mpilab.rank import spawner
+
+    name = f"\0mpilab-test-cpus-{os.getpid()}".encode()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(name)
+    listener.listen()
+    monkeypatch.setattr(spawner, "socket_name", lambda: name)
+    serving = threading.Thread(target=spawner.Spawner(listener).run)
+    serving.start()
+    # the supervisor was bound to a CPU this machine does not have
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4095})
+    assert spawner.spawn(["--never-run"]) is None
     serving.join(10)
     assert not serving.is_alive()
     listener.close()

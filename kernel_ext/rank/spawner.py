@@ -10,9 +10,12 @@ ready sooner than forks of a spawner that imports alone: there each engine start
 fresh interpreter.)
 
 What an engine inherits from its supervisor, sent over a Unix socket: argv, the
-environment, the working directory, and open files passed as descriptors (stdin, stdout
-and stderr, so the engine writes where the launcher reads, and MPI's PMI socket at the
-number PMI_FD names; MPI itself is initialised only in the engine). The forked engine
+environment, the working directory, the CPUs it may run on (a launcher that binds ranks
+to cores binds their supervisors; a fork would otherwise run on the spawner's, the first
+supervisor's, so every rank of the host on one core), and open files passed as
+descriptors (stdin, stdout and stderr, so the engine writes where the launcher reads,
+and MPI's PMI socket at the number PMI_FD names; MPI itself is initialised only in the
+engine). The forked engine
 gets fresh random seeds (Python's and NumPy's global streams would otherwise repeat the
 spawner's on every rank) and dies with the spawner.
 
@@ -190,7 +193,7 @@ def _request(sock: socket.socket, argv: list[str]) -> dict | None:
     sock.settimeout(ANSWER_S)
     try:
         _send(sock, {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
-                     "fds": fds}, fds)
+                     "cpus": sorted(os.sched_getaffinity(0)), "fds": fds}, fds)
         answer, _ = _receive(sock)
     except OSError:
         return None
@@ -243,6 +246,8 @@ class Spawner:
             self.served += 1
             if self.refusal is not None:
                 answer = {"error": self.refusal}
+            elif not _may_run_on(request["cpus"]):
+                answer = {"error": f"the spawner may not run on CPUs {request['cpus']}"}
             else:
                 answer = {"pid": self._fork(request, fds)}
                 self.engine_of[conn] = answer["pid"]
@@ -320,9 +325,23 @@ class Spawner:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        os.sched_setaffinity(0, request["cpus"])
         _reseed()
         engine.name_process(b"mpilab-engine")
         engine.run(request["argv"])
+
+
+def _may_run_on(cpus: list[int]) -> bool:
+    """Whether this process (and so a fork of it) may be bound to `cpus`: a cgroup can
+    confine the spawner to other CPUs than a rank's; that rank then starts its own
+    engine."""
+    own = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError:
+        return False
+    os.sched_setaffinity(0, own)
+    return True
 
 
 def _reseed() -> None:
