@@ -215,9 +215,7 @@ class Watchdog:
         silent = {r: age for r, age in ages.items()
                   if r in self._ranks and r not in self._procs and r not in dead}
         if silent and max(silent.values()) > DEAD_HEARTBEAT_S:
-            for rank, age in silent.items():
-                if age > DEAD_HEARTBEAT_S - SILENT_TOGETHER_S:
-                    dead[rank] = f"{SILENT_PREFIX} for {age:.0f} s"
+            dead.update((r, f"{SILENT_PREFIX} for {age:.0f} s") for r, age in silent.items())
         return dead
 
     def _death_line(self, rank: int, cause: str) -> str:
