@@ -112,6 +112,9 @@ def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: li
         first = rows[0][0][1]
         assert rows == [[[24, first]], [[24, first + 1]], [[24, first + 2]]]
     assert plans[0]["heartbeat"] == [["allreduce", "4x1x2", 32]]
+    # a planned collective on another thread leaves a span and takes no number
+    assert all(got["off_main"] == [0, [["allreduce", "comm"], ["broadcast", "comm"]]]
+               for got in plans), [got["off_main"] for got in plans]
 
 
 def test_a_released_planned_wait_and_recovery(plans: list) -> None:

@@ -101,6 +101,16 @@ def main(ctx: Any, report: Any) -> None:
              for rec in wire.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
     out["spans"] = [[labels, [[int(v) for v in row] for row in rows]] for labels, rows in spans]
     out["seq"] = probe.state.seq - seq0
+    # the same tensors' collectives from another thread: spans, not numbers (the plan's
+    # kept contexts are the main thread's)
+    probe._queue.clear()
+    seq0 = probe.state.seq
+    worker = threading.Thread(target=lambda: (mpilab.allreduce(m), mpilab.broadcast(m)))
+    worker.start()
+    worker.join()
+    out["off_main"] = [probe.state.seq - seq0,
+                       [rec["labels"] for rec in wire.tabulate(r, list(probe._queue))
+                        if rec.get("of") == "span"]]
     seen = []
     def sample(stop):
         while not stop.is_set():
