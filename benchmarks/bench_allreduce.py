@@ -8,8 +8,8 @@ Rows, all in one run, the backends taking every order in turn at each repetition
 
 - ``mpilab``: ``mpilab.allreduce / broadcast / allgather`` on a CPU tensor, what a user
   calls (heartbeat state, numbering and spans included);
-- ``internal``: the NumPy-level path under it (``allreduce_inplace``, the shared-memory
-  engine's broadcast and allgather), to show what the public call adds per call;
+- ``internal``: what that call runs under its plan check and its heartbeat and span
+  (the functions the tensor's plan holds), to show what the public call adds per call;
 - ``mpi4py``: ``comm.Allreduce / Bcast / Allgather`` (blocking) on NumPy arrays;
 - ``gloo``: ``torch.distributed`` on CPU tensors.
 

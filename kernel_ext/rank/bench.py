@@ -9,8 +9,9 @@ algbw = size / time; busbw = algbw × 2(n-1)/n for allreduce, × (n-1)/n for all
 (size = the gathered output), × 1 for broadcast. GB/s are 1e9 bytes per second.
 
 Backends: ``mpilab`` is what a user calls, ``mpilab.allreduce / broadcast / allgather``
-on a CPU tensor; ``mpilab-internal`` the NumPy-level path under it (allreduce_inplace,
-the shared-memory engine's broadcast and allgather), to show what the public call adds;
+on a CPU tensor; ``mpilab-internal`` what that call runs under its plan check and its
+heartbeat and span (the functions the tensor's plan holds: shared memory on one node,
+MPI across nodes), to show what the public call adds;
 ``mpi`` mpi4py's blocking calls; ``gloo`` and ``nccl`` torch.distributed's. ``memory``
 (allreduce only) is no collective: every rank reads and writes back its buffer in place
 at once, the least an allreduce must do with it, timed in turn with the others: the
@@ -33,7 +34,6 @@ import numpy as np
 
 from ..wire import check_backends
 from .context import context
-from .fast_allreduce import allreduce_inplace
 from .waiting import wait_interruptibly
 
 COLLECTIVES = ("allreduce", "broadcast", "allgather")
@@ -216,21 +216,21 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
         }[op]
     if backend == "memory":  # no collective: each rank's buffer read and written in place
         return lambda: np.multiply(send, 1.0, out=send)
-    if backend == "mpilab-internal":  # the NumPy-level path under it
+    if backend == "mpilab-internal":  # what the public call runs, from the tensor's plan
         from . import collectives
-        from .fast_allreduce import plan_for
 
-        private = collectives.private_comm()
-        route = plan_for(private)
+        t_send, t_recv = torch.from_numpy(send), torch.from_numpy(recv).view(n, -1)
+        # the tensors go with each function (a default argument): the plan's views do
+        # not own their memory, which would be freed with the last tensor
+        tensors = (t_send, t_recv)
+        plan = collectives.tensor_plan(t_send)
         if op == "allreduce":
-            return lambda: allreduce_inplace(send, "sum", private)
-        if route.path != "shm":  # several nodes: what the public call uses there
-            return {"broadcast": lambda: wait_interruptibly(private.Ibcast(send, root=0)),
-                    "allgather": lambda: wait_interruptibly(private.Iallgather(send, recv)),
-                    }[op]
-        engine = route.node
-        return {"broadcast": lambda: engine.broadcast(send, root=0),
-                "allgather": lambda: engine.allgather(send, recv)}[op]
+            run = plan.small.get("sum") or plan.reducer("sum")
+            return lambda tensors=tensors: run(plan.array)
+        if op == "broadcast":
+            return lambda tensors=tensors: plan.broadcast(plan.raw, 0)
+        target = collectives.tensor_plan(t_recv)
+        return lambda tensors=tensors: plan.gather(plan.raw, target.raw)
 
     import torch.distributed as dist
 
