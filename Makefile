@@ -35,6 +35,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_first_cell.py --reps 3
 	$(BIN)/python benchmarks/bench_training.py --steps 20 --repeats 5
 	$(BIN)/python benchmarks/bench_allreduce.py --repeats 30
+	$(BIN)/python benchmarks/bench_pieces.py
 	$(BIN)/python benchmarks/bench_redraw.py
 	$(BIN)/python benchmarks/bench_overhead.py --reps 3 --phase-cells 12
 	$(BIN)/python benchmarks/bench_overhead.py -n 1 --threads 1 --reps 3 --phase-cells 6

@@ -55,8 +55,8 @@ CACHE_LINE = 64
 # the receivers copy one chunk out while the root copies the next one in.
 BROADCAST_PIECE_BYTES = 256 << 10
 # ... and a broadcast as large as the last-level cache (it streams from memory) into
-# pieces of this: 512 KiB pieces moved 32 and 64 MiB 1.16-1.42x faster than 2 MiB ones on
-# 2 ranks (three runs), where below the cache's size 2 MiB pieces were faster.
+# pieces of this, which measured faster there; below the cache's size 2 MiB pieces are
+# faster (benchmarks/bench_pieces.py).
 STREAMING_PIECE_BYTES = 512 << 10
 # 2 MiB per slot: large enough that Python's per-chunk overhead (a few µs) is small
 # beside the copy, small enough that both slots of every rank stay in the last-level
@@ -64,8 +64,8 @@ STREAMING_PIECE_BYTES = 512 << 10
 DEFAULT_CHUNK_BYTES = 2 << 20
 # An allgather moves each rank's part in pieces of this (at most chunk_bytes), pipelined:
 # a rank reads the others' piece j-1 while it writes its piece j. Smaller than the
-# allreduce's chunk, since an allgather does no arithmetic between its copies: 512 KiB
-# pieces moved 16–64 MiB 1.1–1.7× faster than 2 MiB ones on 2 ranks (docs/performance.md).
+# allreduce's chunk, since an allgather does no arithmetic between its copies
+# (benchmarks/bench_pieces.py times the choices; docs/performance.md has the figures).
 ALLGATHER_PIECE_BYTES = 512 << 10
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
@@ -142,7 +142,11 @@ class ShmEngine:
     different ranks is an error in MPI terms too).
     """
 
-    def __init__(self, node_comm, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    def __init__(self, node_comm, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 allgather_piece_bytes: int = ALLGATHER_PIECE_BYTES,
+                 streaming_piece_bytes: int = STREAMING_PIECE_BYTES):
+        """The piece sizes are the defaults everywhere but in
+        benchmarks/bench_pieces.py, which times the choices against each other."""
         from mpi4py import MPI
 
         self.size = node_comm.Get_size()
@@ -178,7 +182,8 @@ class ShmEngine:
         # of every rank reducing everything (2 ranks: one-shot 40 µs against 63 µs for
         # reduce-scatter/all-gather at 128 KiB, even at 512 KiB).
         self.oneshot_bytes = min(self.chunk_bytes, (256 << 10) // (self.size - 1))
-        self._allgather_piece = min(self.chunk_bytes, ALLGATHER_PIECE_BYTES)
+        self._allgather_piece = min(self.chunk_bytes, allgather_piece_bytes)
+        self._streaming_piece = streaming_piece_bytes
         # agreed: every rank of a broadcast must cut it into the same pieces
         self._cache_bytes = node_comm.allreduce(last_level_cache_bytes(), op=MPI.MIN)
         self._epoch = 0
@@ -567,7 +572,7 @@ class ShmEngine:
         dt = arr.dtype
         piece = min(self.chunk_bytes, max(BROADCAST_PIECE_BYTES, arr.nbytes // 4))
         if arr.nbytes >= self._cache_bytes:
-            piece = min(piece, STREAMING_PIECE_BYTES)
+            piece = min(piece, self._streaming_piece)
         step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
         count = min(step, arr.size)
         views = self._views(dt, count)
