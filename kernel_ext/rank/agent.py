@@ -41,14 +41,11 @@ TAKEN_RECORDS = 1000  # queued records the thread encodes at a time
 class RankState:
     """What this rank is doing now; read by the heartbeat, written by the hot path."""
 
-    phase: str = "idle"  # idle | running | collective
-    op: str = ""  # the collective in progress, if any
+    phase: str = "idle"  # idle | running (a heartbeat says collective while in one)
     seq: int = 0  # collectives started so far (the collective sequence number)
-    op_started: float = 0.0
-    op_nbytes: int = 0
-    # what the collective is on: a text, or a tensor's shape that the heartbeat formats
-    # (shape_text), so that a collective builds no string
-    op_shape: str | tuple = ""
+    # the main thread's collective in progress (its op, bytes, shape and start), if any:
+    # one reference set and cleared per collective, read by the heartbeat
+    current: Collective | None = None
     step: int = 0
     cell: int = 0
     request: str = ""  # the running cell's execute request (msg id): the notebook's name for it
@@ -91,23 +88,25 @@ class Agent:
     def heartbeat(self) -> dict:
         st = self.state
         now = time.time()
+        current = st.current  # one read: the main thread sets and clears it meanwhile
+        phase = "collective" if current is not None else st.phase
         return {  # the fields of wire.HEARTBEAT_FIELDS and wire.HEARTBEAT_EXTRA
             "k": HEARTBEAT,
             "r": self.rank,
             "t": now,
             "pid": self.pid,
             "host": self.host,
-            "phase": st.phase,
-            "op": st.op,
+            "phase": phase,
+            "op": current.op if current is not None else "",
             "seq": st.seq,
-            "op_age": (now - st.op_started) if st.phase == "collective" else 0.0,
-            "op_nbytes": st.op_nbytes,
-            "op_shape": shape_text(st.op_shape),
+            "op_age": now - current.start if current is not None else 0.0,
+            "op_nbytes": current.nbytes if current is not None else 0,
+            "op_shape": shape_text(current.shape) if current is not None else "",
             "step": st.step,
             "cell": st.cell,
             "rss": _rss_bytes(),
             "dev_mem": int(self.device_memory()),
-            "where": user_frame() if st.phase != "idle" else "",
+            "where": user_frame() if phase != "idle" else "",
             "recent": [list(item) for item in st.recent],
         }
 
@@ -200,40 +199,44 @@ class Collective:
     generator, since small collectives take a few microseconds and a generator-based
     context manager costs about as much as one of them."""
 
-    __slots__ = ("agent", "op", "nbytes", "shape", "numbered", "start", "previous")
+    __slots__ = ("agent", "state", "op", "nbytes", "shape", "numbered", "start",
+                 "previous", "queue")
 
     def __init__(self, agent: Agent, op: str, nbytes: int, shape: str | tuple,
                  numbered: bool):
         self.agent = agent
+        self.state = agent.state
         self.op = op
         self.nbytes = nbytes
         self.shape = shape
         self.numbered = numbered
+        self.start = 0.0
+        # where the span goes: the agent's queue, or Agent.span without a notebook
+        self.queue = agent._queue.append if agent.address is not None else None
 
     def __enter__(self) -> int:
-        st = self.agent.state
-        self.start = start = time.time()
+        st = self.state
+        self.start = _now()  # before `current` is set: the heartbeat reads start from it
         if self.numbered:
-            self.previous = st.phase
-            st.seq += 1
-            # the heartbeat thread reads phase first: everything else is set before it
-            st.op, st.op_nbytes, st.op_shape = self.op, self.nbytes, self.shape
-            st.op_started = start
-            st.phase = "collective"
-            st.recent.append((st.seq, self.op, self.nbytes))
+            st.seq = seq = st.seq + 1
+            self.previous = st.current
+            st.current = self
+            st.recent.append((seq, self.op, self.nbytes))
+            return seq
         return st.seq
 
     def __exit__(self, *exc: object) -> None:
-        end = time.time()
-        agent = self.agent
-        st = agent.state
+        end = _now()
+        st = self.state
         if self.numbered:
-            st.phase = self.previous
-            st.op = ""
-        if agent.address is not None:  # Agent.span, inlined
-            agent._queue.append((self.op, self.start, end, self.nbytes, st.seq))
+            st.current = self.previous
+        if self.queue is not None:  # Agent.span, inlined
+            self.queue((self.op, self.start, end, self.nbytes, st.seq))
         else:
-            agent.span(self.op, self.start, end, self.nbytes, st.seq)
+            self.agent.span(self.op, self.start, end, self.nbytes, st.seq)
+
+
+_now = time.time
 
 
 _main_ident = [threading.main_thread().ident]

@@ -226,11 +226,11 @@ def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
         plan = collectives.tensor_plan(t_send)
         if op == "allreduce":
             run = plan.small.get("sum") or plan.reducer("sum")
-            return lambda tensors=tensors: run(plan.array)
+            return lambda tensors=tensors: run()
         if op == "broadcast":
-            return lambda tensors=tensors: plan.broadcast(plan.raw, 0)
+            return lambda tensors=tensors: plan.broadcast(0)
         target = collectives.tensor_plan(t_recv)
-        return lambda tensors=tensors: plan.gather(plan.raw, target.raw)
+        return lambda tensors=tensors: plan.gather(target.ptr)
 
     import torch.distributed as dist
 

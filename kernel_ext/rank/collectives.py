@@ -142,34 +142,28 @@ class TensorPlan:
 
     __slots__ = ("ref", "ptr", "shape", "dtype", "nbytes", "size", "raw", "array",
                  "mean", "reduce", "broadcast", "gather", "gathered_shape",
-                 "gathered_bytes", "engine", "small", "contexts")
+                 "engine", "small", "contexts")
 
-    def reducer(self, op: str) -> Callable[[np.ndarray], None]:
-        """The function that reduces `array` for `op` (sum, mean, max, min; a mean sums,
-        then divides): a one-shot of shared memory made for this tensor's size where
-        there is one, else the path's general function. Made once per op."""
+    def reducer(self, op: str) -> Callable[[], None]:
+        """The function that reduces the tensor in place for `op` (sum, mean, max, min;
+        a mean sums, then divides): the shared-memory engine's one-piece allreduce of
+        this buffer where it fits, else the path's general function. Made once per op."""
         run = self.small.get(op)
         if run is None:
             wire_op, engine = WIRE_OP[op], self.engine
-            run = engine.small_allreduce(self.array.dtype, self.array.size, wire_op) \
-                if engine is not None else None
+            run = engine.small_allreduce(self.ptr, self.array.dtype, self.array.size,
+                                         wire_op) if engine is not None else None
             if run is None:
-                run = functools.partial(_call_with_op, self.reduce, wire_op)
+                run = functools.partial(self.reduce, self.array, wire_op)
             if op == "mean":
-                run = functools.partial(_then, run, self.mean)
+                run = functools.partial(_then, run, functools.partial(self.mean, self.array))
             self.small[op] = run
         return run
 
 
-def _call_with_op(reduce: Callable[[np.ndarray, str], None], op: str,
-                  array: np.ndarray) -> None:
-    reduce(array, op)
-
-
-def _then(first: Callable[[np.ndarray], None], second: Callable[[np.ndarray], None],
-          array: np.ndarray) -> None:
-    first(array)
-    second(array)
+def _then(first: Callable[[], None], second: Callable[[], None]) -> None:
+    first()
+    second()
 
 
 _plans: dict[int, TensorPlan] = {}
@@ -211,7 +205,6 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     plan.mean = None if numpy_dtype is None else \
         reduction.array_mean(plan.size, tensor.is_floating_point(), numpy_dtype)
     plan.gathered_shape = (plan.size, *plan.shape)
-    plan.gathered_bytes = ctypes.c_char * (plan.nbytes * plan.size)
     route = plan_for(comm)
     plan.reduce = reducer(comm)
     plan.engine = route.node if route.path == "shm" else None
@@ -219,17 +212,22 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     # the main thread's heartbeat and span context of each collective (waiting.reuse)
     plan.contexts = {kind: waiting.kept_collective(kind, plan.nbytes, plan.shape)
                      for kind in ("allreduce", "broadcast", "allgather")}
+    # broadcast: a function of the root; gather: of the receive buffer's address
+    gathered = plan.nbytes * plan.size
     if route.path == "shm":
-        # one-shots made for this size where it fits in one piece or chunk. The engine's
-        # ranks announce which collective they are in with every arrival: ranks in
-        # different collectives at the same number wait, as MPI's would, until the
-        # watchdog names the mismatch (they never complete against each other)
+        # the engine's one-piece collectives of this buffer where it fits in one piece.
+        # The engine's ranks announce which collective they are in with every arrival:
+        # ranks in different collectives at the same number wait, as MPI's would, until
+        # the watchdog names the mismatch (they never complete against each other)
         engine = route.node
-        plan.broadcast = engine.small_broadcast(plan.nbytes) or engine.broadcast
-        plan.gather = engine.small_allgather(plan.nbytes) or engine.allgather
+        plan.broadcast = engine.small_broadcast(plan.ptr, plan.nbytes) or \
+            functools.partial(engine.broadcast, plan.raw)
+        plan.gather = engine.small_allgather(plan.ptr, plan.nbytes) or \
+            functools.partial(_gather_into, engine.allgather, plan.raw, gathered)
     else:
-        plan.broadcast = functools.partial(_mpi_broadcast, comm)
-        plan.gather = functools.partial(_mpi_allgather, comm)
+        plan.broadcast = functools.partial(_mpi_broadcast, comm, plan.raw)
+        plan.gather = functools.partial(_gather_into, functools.partial(_mpi_allgather, comm),
+                                        plan.raw, gathered)
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -246,6 +244,11 @@ def _drop_plan(key: int, ref: weakref.ref) -> None:
 def _byte_view(ptr: int, nbytes: int) -> np.ndarray:
     """A uint8 NumPy array over `nbytes` of memory at `ptr`, not owning it."""
     return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), np.uint8)
+
+
+def _gather_into(gather: Callable[[np.ndarray, np.ndarray], None], send: np.ndarray,
+                 nbytes: int, address: int) -> None:
+    gather(send, _byte_view(address, nbytes))
 
 
 def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
@@ -268,7 +271,7 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
         # a CPU tensor over mpilab's MPI path: its plan, no per-call views or strings
         run = plan.small.get(op) or plan.reducer(op)
         with waiting.reuse(plan.contexts["allreduce"]):
-            run(plan.array)
+            run()
         return tensor
     context()
     reduction.check_reduce_op(op)
@@ -307,7 +310,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     plan = tensor_plan(tensor)
     if plan is not None and backend in _HOST_TRANSPORTS and 0 <= root < plan.size:
         with waiting.reuse(plan.contexts["broadcast"]):
-            plan.broadcast(plan.raw, root)
+            plan.broadcast(root)
         return tensor
     ctx = context()
     if not 0 <= root < ctx.world_size:
@@ -341,15 +344,15 @@ def allgather(tensor: torch.Tensor, backend: str = "auto",
     if plan is not None and backend in _HOST_TRANSPORTS:
         if out is None:
             out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
-            recv = np.frombuffer(plan.gathered_bytes.from_address(out.data_ptr()), np.uint8)
+            recv = out.data_ptr()
         else:
             target = tensor_plan(out)
             if (target is None or target.shape != plan.gathered_shape
                     or target.dtype is not plan.dtype):
                 return _allgather(tensor, backend, out)
-            recv = target.raw
+            recv = target.ptr
         with waiting.reuse(plan.contexts["allgather"]):
-            plan.gather(plan.raw, recv)
+            plan.gather(recv)
         return out
     return _allgather(tensor, backend, out)
 

@@ -10,17 +10,15 @@ Layout of each rank's segment of the window::
     [flag: int64, then 4 int64 signatures, in one 64-byte cache line][slot 0][slot 1]
 
 Synchronisation: a barrier is "bump my flag to the next epoch (arrive), wait until every
-flag has reached it" (monotonic counters, so no reset race). `Win.Sync` around it is the
-memory barrier MPI's unified model asks for, except on x86-64, whose memory model
-already keeps stores in order with stores and loads with loads (all the flag protocol
-needs: slot writes before the flag write, the flag read before slot reads); each call
-into MPI costs ~0.15 µs of a 2-µs collective. A broadcast needs less: the receivers wait
+flag has reached it" (monotonic counters, so no reset race). The flag is written with
+release and read with acquire semantics, so slot writes are seen before the flag and
+slot reads happen after it, on every architecture. A broadcast needs less: the receivers wait
 for the root's arrival alone and copy; the root waits only for the receivers' arrivals,
 which they make as they start, before they copy. So the root copies the next chunk (or
 the next call's data) in while the receivers copy this one out, and a broadcast costs
 about one copy, not the root's copy and then the receivers'. A receiver owes the rest of
-the barrier (`_owed`: that the other receivers arrived) and settles it at the start of
-its next collective (`_settle`), so no rank is ever more than one epoch ahead of another.
+the barrier (the ring's `owed`: that the other receivers arrived) and settles it at the
+start of its next collective (`settle`), so no rank is ever more than one epoch ahead of another.
 
 With each arrival a rank announces which collective it is in (a signature: the kind,
 the reduction, a broadcast's root, the bytes; kept by epoch). A rank that finds another
@@ -28,8 +26,20 @@ arrived at the same epoch in a different collective does not complete against it
 would give wrong data and no error): it waits, as MPI's own collectives would, until the
 notebook's watchdog names the mismatch from the heartbeats and releases the ranks.
 
-Waiting polls in Python with yields and short sleeps, so a KeyboardInterrupt lands
-within a millisecond or so.
+The protocol and the collectives that fit in one piece are C (``_ring.Ring``, which
+holds the synchronisation state: epoch, slot parity, what a broadcast owes, the
+collective in progress, broken). A collective of a few KiB between two cores is well
+under a microsecond of copying and cache-line hand-offs, but took ~2 µs of Python flag
+reads, epoch bumps and NumPy calls; in C it takes a fraction of that. The larger ones
+stay here, in NumPy (which releases the GIL), and use the ring's arrive / barrier /
+wait_root / settle between their chunks: one protocol for both.
+
+Waiting spins ~10 µs, then yields the core for up to 5 ms (releasing the GIL, running
+Python's signal handlers), then sleeps up to 1 ms at a time, checking for an abort
+between sleeps: a KeyboardInterrupt or an abort lands within a millisecond or so. More
+ranks than cores must not starve, and a rank that sleeps wakes up to ~1 ms late while
+its peer waits for it at the next barrier; DataParallel's ranks reach the end-of-step
+allreduce a few ms apart (their steps vary), so the yielding covers that gap.
 
 Slot reuse rule (why two slots are enough): every use of a slot (one chunk of a
 collective) takes the next parity, alternating across chunks and across calls. Between
@@ -40,14 +50,14 @@ overwritten while another rank may still read it, without any extra barrier.
 
 from __future__ import annotations
 
+import functools
 import os
-import platform
-import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from ._ring import Ring
 from .waiting import check_abort
 
 CACHE_LINE = 64
@@ -71,7 +81,10 @@ ALLGATHER_PIECE_BYTES = 512 << 10
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 _KIND_CODES = {"sum": 1, "max": 2, "min": 3, "broadcast": 4, "allgather": 5, "barrier": 6}
-_RING = 4  # signatures kept per rank, by epoch (ranks are at most one epoch apart)
+# the element types the ring reduces (its enum); others take the chunked path
+DTYPE_CODES = {np.dtype(t): code for code, t in enumerate(
+    (np.float32, np.float64, np.float16, np.int8, np.int16, np.int32, np.int64,
+     np.uint8, np.uint16, np.uint32, np.uint64))}
 
 
 def last_level_cache_bytes() -> int:
@@ -94,17 +107,6 @@ def signature(kind: str, nbytes: int, root: int = 0) -> int:
     reduction), a broadcast's root and the bytes, in one int64."""
     return _KIND_CODES[kind] | root << 8 | nbytes << 24
 
-# Win.Sync as a memory barrier where the hardware reorders stores or loads (see above)
-FENCES = platform.machine().lower() not in ("x86_64", "amd64")
-
-_HOT_SPINS = 256  # ~10 µs of pure polling: the partner usually arrives within that
-# then yield the core (more ranks than cores must not starve) for up to 5 ms before
-# sleeping: a rank that sleeps wakes up to ~1 ms late, and its peer waits for it at the
-# next barrier. DataParallel's ranks reach the end-of-step allreduce a few ms apart
-# (their steps vary), so the yielding covers that gap.
-_YIELD_S = 0.005
-_MAX_SLEEP_S = 0.001
-
 
 class ShmBroken(RuntimeError):
     """An earlier collective on this window stopped half-way; the ranks are out of step."""
@@ -117,21 +119,6 @@ def _mismatched() -> None:
     while True:
         check_abort()
         time.sleep(0.005)
-
-
-def _wait_flag(flag: memoryview, target: int) -> None:
-    """Wait until flag[0] >= target, staying responsive to signals."""
-    for _ in range(_HOT_SPINS):
-        if flag[0] >= target:
-            return
-    start = time.perf_counter()
-    while flag[0] < target:
-        waited = time.perf_counter() - start
-        if waited < _YIELD_S:
-            os.sched_yield()
-        else:
-            check_abort()  # a released rank (peer failed) stops waiting, on any thread
-            time.sleep(min(_MAX_SLEEP_S, waited / 16))
 
 
 class ShmEngine:
@@ -160,39 +147,29 @@ class ShmEngine:
         finally:
             info.Free()
         self.win.Lock_all()
-        # flags as int64 memoryviews: reading one costs a third of a NumPy scalar read,
-        # and a small allreduce reads them in its spin loop
-        self._flags: list[memoryview] = []
-        self._sigs: list[memoryview] = []
+        segments: list[np.ndarray] = []
         self._slots: list[tuple[np.ndarray, np.ndarray]] = []
         for r in range(self.size):
             buf, _ = self.win.Shared_query(r)
             raw = np.frombuffer(buf, np.uint8, count=segment)
-            self._flags.append(memoryview(raw[:8]).cast("q"))
-            self._sigs.append(memoryview(raw[8 : 8 * (1 + _RING)]).cast("q"))
+            segments.append(raw)
             body = raw[CACHE_LINE:]
             self._slots.append((body[: self.chunk_bytes], body[self.chunk_bytes :]))
+        segments[self.rank][:CACHE_LINE] = 0
+        self._ring = Ring([int(raw.ctypes.data) for raw in segments], self.rank,
+                          self.chunk_bytes, check_abort, _mismatched, self._refuse, segments)
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
         self._small_views: dict[tuple[np.dtype, int], tuple[list[np.ndarray], ...]] = {}
-        self._flags[self.rank][0] = 0
-        self._flag, self._sig_ring = self._flags[self.rank], self._sigs[self.rank]
         self._other_ranks = [r for r in range(self.size) if r != self.rank]
-        self._others = [(self._flags[r], self._sigs[r]) for r in self._other_ranks]
         # Below this, saving a barrier matters more than the (n-1)× redundant arithmetic
         # of every rank reducing everything (2 ranks: one-shot 40 µs against 63 µs for
         # reduce-scatter/all-gather at 128 KiB, even at 512 KiB).
         self.oneshot_bytes = min(self.chunk_bytes, (256 << 10) // (self.size - 1))
         self._allgather_piece = min(self.chunk_bytes, allgather_piece_bytes)
+        self._broadcast_piece = min(self.chunk_bytes, BROADCAST_PIECE_BYTES)
         self._streaming_piece = streaming_piece_bytes
         # agreed: every rank of a broadcast must cut it into the same pieces
         self._cache_bytes = node_comm.allreduce(last_level_cache_bytes(), op=MPI.MIN)
-        self._epoch = 0
-        self._sig = 0  # the signature of the collective in progress
-        self._owed = 0  # an epoch this rank arrived at without waiting for the others
-        self._owed_sig = 0  # and the signature it arrived with
-        self._use = 0
-        self._lock = threading.Lock()
-        self._broken = False
         # MPI's idiom for shared windows: every flag is 0 before anyone reads one.
         self.win.Sync()
         node_comm.Barrier()
@@ -204,62 +181,6 @@ class ShmEngine:
         self.win.Free()
 
     # -- synchronisation ---------------------------------------------------------------
-    def arrive(self) -> int:
-        """Bump this rank's flag to the next epoch (after its slot writes), announcing
-        the collective in progress (self._sig); returns the epoch."""
-        self._epoch += 1
-        epoch = self._epoch
-        self._sig_ring[epoch & 3] = self._sig
-        if FENCES:
-            self.win.Sync()  # release: my slot writes are visible before my flag
-        self._flag[0] = epoch
-        return epoch
-
-    def barrier(self) -> None:
-        self._wait_arrivals(self.arrive())
-        self._owed = 0  # every flag is past it now
-        if FENCES:
-            self.win.Sync()  # acquire: read the others' slots only after their flags
-
-    def _wait_arrivals(self, epoch: int) -> None:
-        """Wait until every other rank has arrived at `epoch`, checking that it is in the
-        same collective (a barrier; a broadcast's root, which waits for the receivers'
-        arrivals, not their copies: they arrive before they copy)."""
-        sig = self._sig
-        for flag, sigs in self._others:
-            if flag[0] < epoch:
-                _wait_flag(flag, epoch)
-            if sigs[epoch & 3] != sig:
-                _mismatched()
-
-    def _wait_root(self, root: int, epoch: int) -> None:
-        """A broadcast's receiver: wait for the root's arrival alone."""
-        flag = self._flags[root]
-        if flag[0] < epoch:
-            _wait_flag(flag, epoch)
-        if self._sigs[root][epoch & 3] != self._sig:
-            _mismatched()
-        if FENCES:
-            self.win.Sync()  # acquire: the root's chunk after its flag
-
-    def _settle(self) -> None:
-        """At the start of a collective: the wait a broadcast left owing. Every other
-        rank has then arrived where this one did, so it has read what it was to read of
-        the slot parity about to be written (the reads of a use end before the next
-        arrival), and no rank gets more than one epoch ahead. Nothing owed: nothing to do
-        (the hot paths test `_owed` before calling)."""
-        owed, sig = self._owed, self._owed_sig
-        if not owed:
-            return
-        for flag, sigs in self._others:
-            if flag[0] < owed:
-                _wait_flag(flag, owed)
-            if sigs[owed & 3] != sig:
-                _mismatched()
-        self._owed = 0
-        if FENCES:
-            self.win.Sync()
-
     def _typed_slots(self, dtype: np.dtype) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per rank, both slots viewed as `dtype`: made once (a view costs ~1 µs)."""
         typed = self._typed.get(dtype)
@@ -271,19 +192,15 @@ class ShmEngine:
         return typed
 
     def _next_parity(self) -> int:
-        self._use += 1
-        return self._use & 1
+        ring = self._ring
+        ring.use += 1
+        return ring.use & 1
 
     def _run(self, fn, *args) -> None:
-        """Run one collective; if it stops half-way, refuse the next (no silent hang)."""
-        with self._lock:
-            if self._broken:
-                self._refuse()
-            try:
-                fn(*args)
-            except BaseException:
-                self._broken = True
-                raise
+        """Run one collective under the ring's lock (one at a time per engine); if it
+        stops half-way, the ring refuses the next (no silent hang)."""
+        with self._ring:
+            fn(*args)
 
     @staticmethod
     def _refuse() -> None:
@@ -299,19 +216,11 @@ class ShmEngine:
         With to_root_only, only node rank 0 is guaranteed the result (the first half of
         the hierarchical allreduce), which saves the other ranks' copy-out.
         """
-        if arr.nbytes > self.oneshot_bytes:
-            self._run(self._rsag, arr, UFUNCS[op], to_root_only, signature(op, arr.nbytes))
+        code = DTYPE_CODES.get(arr.dtype)
+        if arr.nbytes <= self.oneshot_bytes and code is not None:
+            self._ring.allreduce(arr, arr.size, code, _KIND_CODES[op])
             return
-        # _run inlined: a 4 KiB allreduce takes ~4 µs, and every call level is ~0.1 µs
-        with self._lock:
-            if self._broken:
-                self._refuse()
-            try:
-                self._sig = signature(op, arr.nbytes)
-                self._oneshot(arr, UFUNCS[op])
-            except BaseException:
-                self._broken = True
-                raise
+        self._run(self._rsag, arr, UFUNCS[op], to_root_only, signature(op, arr.nbytes))
 
     def split_allreduce(self, arr: np.ndarray, op: str,
                         across: Callable[[np.ndarray], None]) -> None:
@@ -330,26 +239,24 @@ class ShmEngine:
         self._run(self._split, arr, UFUNCS[op], across, signature(op, arr.nbytes))
 
     def _split(self, arr: np.ndarray, ufunc, across, sig: int) -> None:
-        me = self.rank
+        me, ring = self.rank, self._ring
         edges = self._slice_edges(arr.size, arr.dtype.itemsize)
-        self._use += 1
-        slots = self._views(arr.dtype, arr.size)[self._use & 1]
+        slots = self._views(arr.dtype, arr.size)[self._next_parity()]
         lo, hi = edges[me], edges[me + 1]
         mine, published = arr[lo:hi], slots[me][lo:hi]
-        self._sig = sig
-        if self._owed:
-            self._settle()
+        ring.sig = sig
+        ring.settle()
         if lo:
             np.copyto(slots[me][:lo], arr[:lo])
         if hi < arr.size:
             np.copyto(slots[me][hi:], arr[hi:])
-        self.barrier()
+        ring.barrier()
         if hi > lo:  # the owner alone computes its slice: identical bits everywhere
             for r in self._other_ranks:
                 ufunc(mine, slots[r][lo:hi], out=mine)
             across(mine)
             np.copyto(published, mine)
-        self.barrier()
+        ring.barrier()
         for r in self._other_ranks:
             if edges[r + 1] > edges[r]:
                 np.copyto(arr[edges[r]:edges[r + 1]], slots[r][edges[r]:edges[r + 1]])
@@ -360,104 +267,31 @@ class ShmEngine:
         unit = max(1, CACHE_LINE // itemsize)
         return [count * r // self.size // unit * unit for r in range(self.size)] + [count]
 
-    def small_allreduce(self, dtype: np.dtype, count: int, op: str,
-                        ) -> Callable[[np.ndarray], None] | None:
-        """allreduce(arr, op) for arrays of `count` elements of `dtype`, with what it
-        looks up made once: for a caller that reduces the same shape again and again
-        (mpilab.allreduce's plan of a tensor). None above the one-shot size."""
+    def small_allreduce(self, address: int, dtype: np.dtype, count: int, op: str,
+                        ) -> Callable[[], None] | None:
+        """A function that reduces the `count` elements of `dtype` at `address` in place
+        (one piece, in C): for a caller that reduces the same buffer again and again
+        (mpilab.allreduce's plan of a tensor). None above the one-shot size, or for an
+        element type the ring does not reduce."""
         dtype = np.dtype(dtype)
-        if count * dtype.itemsize > self.oneshot_bytes:
+        code = DTYPE_CODES.get(dtype)
+        if count * dtype.itemsize > self.oneshot_bytes or code is None:
             return None
-        ufunc, me, lock = UFUNCS[op], self.rank, self._lock
-        views = self._views(dtype, count)
-        rest = tuple(v[2:] for v in views)
-        sig = signature(op, count * dtype.itemsize)
+        return functools.partial(self._ring.allreduce, address, count, code, _KIND_CODES[op])
 
-        def run(arr: np.ndarray) -> None:
-            with lock:
-                if self._broken:
-                    self._refuse()
-                try:
-                    self._sig = sig
-                    self._use += 1
-                    parity = self._use & 1
-                    srcs = views[parity]
-                    if self._owed:
-                        self._settle()
-                    np.copyto(srcs[me], arr)
-                    self.barrier()
-                    # the same order of operands on every rank: identical bits
-                    ufunc(srcs[0], srcs[1], out=arr)
-                    for src in rest[parity]:
-                        ufunc(arr, src, out=arr)
-                except BaseException:
-                    self._broken = True
-                    raise
-
-        return run
-
-    def small_broadcast(self, count: int) -> Callable[[np.ndarray, int], None] | None:
-        """broadcast(arr, root) for uint8 arrays of `count` bytes that fit in one piece,
-        with what it looks up made once (as small_allreduce). None for larger ones."""
-        if count > BROADCAST_PIECE_BYTES:
+    def small_broadcast(self, address: int, nbytes: int) -> Callable[[int], None] | None:
+        """A function of the root that broadcasts the `nbytes` at `address` (one piece,
+        in C); None for larger ones."""
+        if nbytes > self._broadcast_piece:
             return None
-        views, lock = self._views(np.dtype(np.uint8), count), self._lock
-        me, base = self.rank, signature("broadcast", count)
+        return functools.partial(self._ring.broadcast, address, nbytes)
 
-        def run(arr: np.ndarray, root: int) -> None:
-            with lock:
-                if self._broken:
-                    self._refuse()
-                try:
-                    self._sig = sig = base | root << 8
-                    self._use += 1
-                    slot = views[self._use & 1][root]
-                    if self._owed:
-                        self._settle()
-                    if me == root:
-                        np.copyto(slot, arr)
-                        self._wait_arrivals(self.arrive())
-                        return
-                    epoch = self.arrive()
-                    self._wait_root(root, epoch)
-                    np.copyto(arr, slot)
-                    self._owed, self._owed_sig = epoch, sig
-                except BaseException:
-                    self._broken = True
-                    raise
-
-        return run
-
-    def small_allgather(self, count: int) -> Callable[[np.ndarray, np.ndarray], None] | None:
-        """allgather(send, recv) for uint8 arrays of `count` bytes that fit in one piece,
-        with what it looks up made once (as small_allreduce). None for larger ones."""
-        if count > self._allgather_piece:
+    def small_allgather(self, address: int, nbytes: int) -> Callable[[int], None] | None:
+        """A function of the receive buffer's address that gathers every rank's `nbytes`
+        at `address` into it, in rank order (one piece, in C); None for larger ones."""
+        if nbytes > self._allgather_piece:
             return None
-        views, lock, me = self._views(np.dtype(np.uint8), count), self._lock, self.rank
-        parts = [(r, slice(r * count, (r + 1) * count)) for r in self._other_ranks]
-        mine = slice(me * count, (me + 1) * count)
-        sig = signature("allgather", count)
-
-        def run(send: np.ndarray, recv: np.ndarray) -> None:
-            with lock:
-                if self._broken:
-                    self._refuse()
-                try:
-                    self._sig = sig
-                    self._use += 1
-                    slots = views[self._use & 1]
-                    if self._owed:
-                        self._settle()
-                    np.copyto(slots[me], send)
-                    np.copyto(recv[mine], send)
-                    self.barrier()
-                    for r, part in parts:
-                        np.copyto(recv[part], slots[r])
-                except BaseException:
-                    self._broken = True
-                    raise
-
-        return run
+        return functools.partial(self._ring.allgather, address, nbytes)
 
     def _views(self, dtype: np.dtype, count: int) -> tuple[list[np.ndarray], ...]:
         """Per parity, every rank's slot as `count` elements of `dtype`: made once per
@@ -472,18 +306,6 @@ class ShmEngine:
             views = self._small_views[key] = tuple(
                 [pair[p][:count] for pair in typed] for p in (0, 1))
         return views
-
-    def _oneshot(self, arr: np.ndarray, ufunc) -> None:
-        self._use += 1
-        srcs = self._views(arr.dtype, arr.size)[self._use & 1]  # every rank's slot
-        if self._owed:
-            self._settle()
-        np.copyto(srcs[self.rank], arr)
-        self.barrier()
-        # The same order of operands on every rank, so every rank gets identical bits.
-        ufunc(srcs[0], srcs[1], out=arr)
-        for s in srcs[2:]:
-            ufunc(arr, s, out=arr)
 
     def _rsag(self, arr: np.ndarray, ufunc, to_root_only: bool, sig: int) -> None:
         """Reduce-scatter then all-gather, chunk by chunk, one barrier per chunk.
@@ -547,25 +369,28 @@ class ShmEngine:
             for dst, src in phases[k][3]:
                 np.copyto(dst, src)
 
-        self._sig = sig
-        if self._owed:
-            self._settle()
+        ring = self._ring
+        ring.sig = sig
+        ring.settle()
         copy_in(0)
-        self.barrier()
+        ring.barrier()
         for j in range(len(phases)):
             if j > 0:
                 copy_out(j - 1)
             reduce(j)
             if j + 1 < len(phases):
                 copy_in(j + 1)
-            self.barrier()
+            ring.barrier()
         copy_out(len(phases) - 1)
 
     def broadcast(self, arr: np.ndarray, root: int = 0) -> None:
         """Broadcast 1-D contiguous `arr` from node rank `root`, pipelined by chunk: the
         root copies chunk j in (parity j) while the receivers copy chunk j-1 out; the
         receivers wait for the root alone, the root for nobody (see the module's
-        docstring)."""
+        docstring). One piece goes through the ring whole."""
+        if arr.nbytes <= self._broadcast_piece:
+            self._ring.broadcast(arr, arr.nbytes, root)
+            return
         self._run(self._broadcast, arr, root)
 
     def _broadcast(self, arr: np.ndarray, root: int) -> None:
@@ -575,22 +400,20 @@ class ShmEngine:
             piece = min(piece, self._streaming_piece)
         step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
         count = min(step, arr.size)
-        views = self._views(dt, count)
-        self._sig = sig = signature("broadcast", arr.nbytes, root)
+        views, ring = self._views(dt, count), self._ring
+        ring.sig = sig = signature("broadcast", arr.nbytes, root)
         for start in range(0, arr.size, step):
-            self._use += 1
             chunk = arr[start : start + step] if count < arr.size else arr
-            slot = views[self._use & 1][root][: chunk.size]
-            if self._owed:
-                self._settle()
+            slot = views[self._next_parity()][root][: chunk.size]
+            ring.settle()
             if self.rank == root:
                 np.copyto(slot, chunk)
-                self._wait_arrivals(self.arrive())
+                ring.wait_arrivals(ring.arrive())
             else:
-                epoch = self.arrive()
-                self._wait_root(root, epoch)
+                epoch = ring.arrive()
+                ring.wait_root(root, epoch)
                 np.copyto(chunk, slot)
-                self._owed, self._owed_sig = epoch, sig
+                ring.owed, ring.owed_sig = epoch, sig
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Every node rank's 1-D contiguous `send` into `recv`, in node-rank order
@@ -599,28 +422,21 @@ class ShmEngine:
 
         Phase j: every rank writes piece j of its `send` into its own slot (parity j)
         while it reads piece j-1 of the others' slots (parity j-1), so no slot is written
-        while another rank may read it (the rule of `_rsag`).
+        while another rank may read it (the rule of `_rsag`). One piece goes through the
+        ring whole.
         """
+        if send.nbytes <= self._allgather_piece:
+            if send.nbytes:
+                self._ring.allgather(send, send.nbytes, recv)
+            return
         self._run(self._allgather, send, recv)
 
     def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
-        m, me = send.size, self.rank
-        if m == 0:
-            return
+        m, me, ring = send.size, self.rank, self._ring
         step = self._allgather_piece // send.dtype.itemsize
         others = self._other_ranks
-        self._sig = signature("allgather", send.nbytes)
-        if self._owed:
-            self._settle()
-        if m <= step:  # one piece (small messages): one barrier, views made once
-            self._use += 1
-            slots = self._views(send.dtype, m)[self._use & 1]
-            np.copyto(slots[me], send)
-            np.copyto(recv[me * m : (me + 1) * m], send)
-            self.barrier()
-            for r in others:
-                np.copyto(recv[r * m : (r + 1) * m], slots[r])
-            return
+        ring.sig = signature("allgather", send.nbytes)
+        ring.settle()
         typed = self._typed_slots(send.dtype)
         starts = list(range(0, m, step))
         parities = [self._next_parity() for _ in starts]
@@ -637,7 +453,7 @@ class ShmEngine:
             chunk = send[s : s + step]
             np.copyto(typed[me][parities[j]][: chunk.size], chunk)
             np.copyto(recv[me * m + s : me * m + s + chunk.size], chunk)
-            self.barrier()
+            ring.barrier()
         copy_out(len(starts) - 1)
 
     def sync(self) -> None:
@@ -645,7 +461,7 @@ class ShmEngine:
         self._run(self._sync)
 
     def _sync(self) -> None:
-        self._sig = signature("barrier", 0)
-        if self._owed:
-            self._settle()
-        self.barrier()
+        ring = self._ring
+        ring.sig = signature("barrier", 0)
+        ring.settle()
+        ring.barrier()

@@ -1,0 +1,583 @@
+/* The flag protocol of mpilab's shared-memory engine (shm.py), and its collectives of one
+ * piece, in C.
+ *
+ * Why C: a collective of a few KiB between two cores of one node takes well under a
+ * microsecond of copying and cache-line hand-offs, but several microseconds of Python
+ * (every flag read, epoch bump and slot view is a bytecode or a NumPy call). So the ring
+ * holds the engine's synchronisation state (epoch, slot parity, the wait a broadcast owes,
+ * the collective in progress, broken) and does the waits for every collective of the
+ * engine: the large ones, written in Python with NumPy, call arrive / barrier / wait_root
+ * / settle here; the ones that fit in one piece run here whole.
+ *
+ * Waiting is what shm.py's docstring describes: spin for ~10 µs, then yield the core
+ * (releasing the GIL, running Python's signal handlers) for up to 5 ms, then sleep up to
+ * 1 ms at a time, calling check_abort between sleeps: Ctrl-C and an abort land as they did
+ * in the Python loop. A wait that raises leaves the ring broken (the ranks are out of
+ * step); the next collective raises what `refuse` raises.
+ *
+ * Memory order: a rank's slot writes, then its signature, then its flag (a release store);
+ * a waiter reads the flag (an acquire load), then the signature and the slots. That is
+ * correct on every architecture, so no MPI call is needed as a fence.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <pythread.h>
+
+#include <sched.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+#define RING 4                     /* signatures kept per rank, by epoch */
+#define CACHE_LINE 64
+#define SPIN_NS 10000LL            /* pure polling first */
+#define YIELD_NS 5000000LL         /* then yield the core for up to this */
+#define MAX_SLEEP_NS 1000000LL     /* then sleep at most this at a time */
+
+/* the collectives' signature codes (shm._KIND_CODES) */
+enum { K_SUM = 1, K_MAX = 2, K_MIN = 3, K_BROADCAST = 4, K_ALLGATHER = 5, K_BARRIER = 6 };
+/* element types of the one-piece allreduce (shm.DTYPE_CODES) */
+enum { T_F32 = 0, T_F64, T_F16, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_COUNT };
+
+typedef struct {
+    PyObject_HEAD
+    int n, me;
+    int64_t **flags;              /* flags[r]: rank r's flag; its signatures follow it */
+    char **slots;                 /* slots[2 r + parity] */
+    Py_ssize_t slot_bytes;
+    long long epoch, use, owed, owed_sig, sig;
+    int broken;
+    PyThread_type_lock lock;
+    PyObject *check_abort, *mismatched, *refuse, *keep;
+} Ring;
+
+static inline long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+static inline void relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static inline int64_t load(int64_t *p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+/* Wait until *flag >= target; -1 with a Python exception set if interrupted. */
+static int wait_flag(Ring *self, int64_t *flag, long long target)
+{
+    if (load(flag) >= target)
+        return 0;
+    long long start = now_ns();
+    do {
+        for (int i = 0; i < 64; i++) {
+            if (load(flag) >= target)
+                return 0;
+            relax();
+        }
+    } while (now_ns() - start < SPIN_NS);
+    while (load(flag) < target) {
+        long long waited = now_ns() - start;
+        if (PyErr_CheckSignals() < 0)
+            return -1;
+        if (waited < YIELD_NS) {
+            Py_BEGIN_ALLOW_THREADS
+            sched_yield();
+            Py_END_ALLOW_THREADS
+        } else {
+            PyObject *r = PyObject_CallNoArgs(self->check_abort);
+            if (r == NULL)
+                return -1;
+            Py_DECREF(r);
+            long long ns = waited / 16 < MAX_SLEEP_NS ? waited / 16 : MAX_SLEEP_NS;
+            struct timespec t = {0, (long)ns};
+            Py_BEGIN_ALLOW_THREADS
+            nanosleep(&t, NULL);
+            Py_END_ALLOW_THREADS
+        }
+    }
+    return 0;
+}
+
+/* Another rank arrived at this epoch in a different collective: the Python `mismatched`
+ * waits for the release and raises. */
+static int mismatch(Ring *self)
+{
+    PyObject *r = PyObject_CallNoArgs(self->mismatched);
+    Py_XDECREF(r);
+    if (r != NULL)
+        PyErr_SetString(PyExc_RuntimeError, "mismatched collectives");
+    return -1;
+}
+
+static inline int check_sig(Ring *self, int r, long long epoch, long long sig)
+{
+    return self->flags[r][1 + (epoch & (RING - 1))] == sig ? 0 : mismatch(self);
+}
+
+static long long arrive(Ring *self)
+{
+    long long e = ++self->epoch;
+    int64_t *mine = self->flags[self->me];
+    mine[1 + (e & (RING - 1))] = self->sig;
+    __atomic_store_n(mine, e, __ATOMIC_RELEASE);
+    return e;
+}
+
+static int wait_arrivals(Ring *self, long long epoch)
+{
+    for (int r = 0; r < self->n; r++) {
+        if (r == self->me)
+            continue;
+        if (wait_flag(self, self->flags[r], epoch) < 0 || check_sig(self, r, epoch, self->sig) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+static int barrier(Ring *self)
+{
+    if (wait_arrivals(self, arrive(self)) < 0)
+        return -1;
+    self->owed = 0;
+    return 0;
+}
+
+static int wait_root(Ring *self, int root, long long epoch)
+{
+    if (wait_flag(self, self->flags[root], epoch) < 0)
+        return -1;
+    return check_sig(self, root, epoch, self->sig);
+}
+
+static int settle(Ring *self)
+{
+    long long owed = self->owed;
+    if (!owed)
+        return 0;
+    for (int r = 0; r < self->n; r++) {
+        if (r == self->me)
+            continue;
+        if (wait_flag(self, self->flags[r], owed) < 0 || check_sig(self, r, owed, self->owed_sig) < 0)
+            return -1;
+    }
+    self->owed = 0;
+    return 0;
+}
+
+/* -- the lock: one collective at a time per engine -------------------------------------- */
+static int enter(Ring *self)
+{
+    if (!PyThread_acquire_lock(self->lock, NOWAIT_LOCK)) {
+        for (;;) {
+            PyLockStatus got;
+            Py_BEGIN_ALLOW_THREADS
+            got = PyThread_acquire_lock_timed(self->lock, 1000, 0);
+            Py_END_ALLOW_THREADS
+            if (got == PY_LOCK_ACQUIRED)
+                break;
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+        }
+    }
+    if (self->broken) {
+        PyThread_release_lock(self->lock);
+        PyObject *r = PyObject_CallNoArgs(self->refuse);
+        Py_XDECREF(r);
+        if (r != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "the shared-memory ring is broken");
+        return -1;
+    }
+    return 0;
+}
+
+/* Leave a collective: status < 0 (an exception set) leaves the ring broken. */
+static PyObject *leave(Ring *self, int status)
+{
+    if (status < 0)
+        self->broken = 1;
+    PyThread_release_lock(self->lock);
+    if (status < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* An address: an int, or an object with a contiguous buffer of at least `need` bytes. */
+static char *address(PyObject *obj, Py_ssize_t need)
+{
+    if (PyLong_Check(obj))
+        return (char *)PyLong_AsVoidPtr(obj);
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0)
+        return NULL;
+    char *p = view.buf;
+    Py_ssize_t len = view.len;
+    PyBuffer_Release(&view);
+    if (len < need) {
+        PyErr_Format(PyExc_ValueError, "a buffer of %zd bytes where %zd are needed", len, need);
+        return NULL;
+    }
+    return p;
+}
+
+static int check_piece(Ring *self, Py_ssize_t nbytes)
+{
+    if (nbytes < 0 || nbytes > self->slot_bytes) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes do not fit in one slot of %zd", nbytes,
+                     self->slot_bytes);
+        return -1;
+    }
+    return 0;
+}
+
+/* -- the one-piece collectives ---------------------------------------------------------- */
+static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t nbytes;
+    int root;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "broadcast(buffer, nbytes, root)");
+        return NULL;
+    }
+    nbytes = PyLong_AsSsize_t(args[1]);
+    root = (int)PyLong_AsLong(args[2]);
+    if (PyErr_Occurred() || check_piece(self, nbytes) < 0)
+        return NULL;
+    if (root < 0 || root >= self->n)
+        return PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, self->n);
+    char *buf = address(args[0], nbytes);
+    if (buf == NULL || enter(self) < 0)
+        return NULL;
+    long long sig = K_BROADCAST | (long long)root << 8 | (long long)nbytes << 24;
+    self->sig = sig;
+    char *slot = self->slots[2 * root + (++self->use & 1)];
+    int status = settle(self);
+    if (status == 0) {
+        if (self->me == root) {
+            memcpy(slot, buf, nbytes);
+            status = wait_arrivals(self, arrive(self));
+        } else {
+            long long e = arrive(self);
+            status = wait_root(self, root, e);
+            if (status == 0) {
+                memcpy(buf, slot, nbytes);
+                self->owed = e;
+                self->owed_sig = sig;
+            }
+        }
+    }
+    return leave(self, status);
+}
+
+static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "allgather(send, nbytes, recv)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred() || check_piece(self, nbytes) < 0)
+        return NULL;
+    char *send = address(args[0], nbytes);
+    if (send == NULL)
+        return NULL;
+    char *recv = address(args[2], nbytes * self->n);
+    if (recv == NULL || enter(self) < 0)
+        return NULL;
+    self->sig = K_ALLGATHER | (long long)nbytes << 24;
+    int parity = ++self->use & 1, me = self->me;
+    int status = settle(self);
+    if (status == 0) {
+        memcpy(self->slots[2 * me + parity], send, nbytes);
+        memmove(recv + (Py_ssize_t)me * nbytes, send, nbytes);
+        status = barrier(self);
+    }
+    if (status == 0)
+        for (int r = 0; r < self->n; r++)
+            if (r != me)
+                memcpy(recv + (Py_ssize_t)r * nbytes, self->slots[2 * r + parity], nbytes);
+    return leave(self, status);
+}
+
+/* out = a (op) b, elementwise; the same order of operands on every rank, so every rank
+ * gets identical bits. Integer sums wrap (as NumPy's); a float max or min with a NaN is
+ * NaN (as NumPy's maximum and minimum). */
+#define REDUCE_LOOP(T, EXPR)                                                   \
+    do {                                                                       \
+        T *o = (T *)out; const T *x = (const T *)a; const T *y = (const T *)b; \
+        for (Py_ssize_t i = 0; i < count; i++) { T p = x[i], q = y[i]; o[i] = (EXPR); } \
+    } while (0)
+#define FLOAT_OPS(T)                                                           \
+    switch (op) {                                                              \
+    case K_SUM: REDUCE_LOOP(T, p + q); break;                                  \
+    case K_MAX: REDUCE_LOOP(T, (p >= q || p != p) ? p : q); break;             \
+    case K_MIN: REDUCE_LOOP(T, (p <= q || p != p) ? p : q); break;             \
+    }
+#define INT_OPS(T, U)                                                          \
+    switch (op) {                                                              \
+    case K_SUM: REDUCE_LOOP(T, (T)((U)p + (U)q)); break;                       \
+    case K_MAX: REDUCE_LOOP(T, p >= q ? p : q); break;                         \
+    case K_MIN: REDUCE_LOOP(T, p <= q ? p : q); break;                         \
+    }
+
+static void reduce(int type, int op, char *out, const char *a, const char *b, Py_ssize_t count)
+{
+    switch (type) {
+    case T_F32: FLOAT_OPS(float); break;
+    case T_F64: FLOAT_OPS(double); break;
+    case T_F16: FLOAT_OPS(_Float16); break;
+    case T_I8: INT_OPS(int8_t, uint8_t); break;
+    case T_I16: INT_OPS(int16_t, uint16_t); break;
+    case T_I32: INT_OPS(int32_t, uint32_t); break;
+    case T_I64: INT_OPS(int64_t, uint64_t); break;
+    case T_U8: INT_OPS(uint8_t, uint8_t); break;
+    case T_U16: INT_OPS(uint16_t, uint16_t); break;
+    case T_U32: INT_OPS(uint32_t, uint32_t); break;
+    case T_U64: INT_OPS(uint64_t, uint64_t); break;
+    }
+}
+
+static const int ITEM_SIZE[T_COUNT] = {4, 8, 2, 1, 2, 4, 8, 1, 2, 4, 8};
+
+static PyObject *Ring_allreduce(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "allreduce(buffer, count, type, op)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    int type = (int)PyLong_AsLong(args[2]), op = (int)PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (type < 0 || type >= T_COUNT || op < K_SUM || op > K_MIN)
+        return PyErr_Format(PyExc_ValueError, "no reduction %d of element type %d", op, type);
+    Py_ssize_t nbytes = count * ITEM_SIZE[type];
+    if (check_piece(self, nbytes) < 0)
+        return NULL;
+    char *buf = address(args[0], nbytes);
+    if (buf == NULL || enter(self) < 0)
+        return NULL;
+    self->sig = op | (long long)nbytes << 24;
+    int parity = ++self->use & 1;
+    int status = settle(self);
+    if (status == 0) {
+        memcpy(self->slots[2 * self->me + parity], buf, nbytes);
+        status = barrier(self);
+    }
+    if (status == 0 && count && self->n > 1) {
+        reduce(type, op, buf, self->slots[parity], self->slots[2 + parity], count);
+        for (int r = 2; r < self->n; r++)
+            reduce(type, op, buf, buf, self->slots[2 * r + parity], count);
+    }
+    return leave(self, status);
+}
+
+/* -- the protocol, for the collectives written in Python ------------------------------- */
+static PyObject *Ring_arrive(Ring *self, PyObject *unused)
+{
+    return PyLong_FromLongLong(arrive(self));
+}
+
+static PyObject *Ring_barrier(Ring *self, PyObject *unused)
+{
+    if (barrier(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_wait_arrivals(Ring *self, PyObject *arg)
+{
+    long long epoch = PyLong_AsLongLong(arg);
+    if ((epoch == -1 && PyErr_Occurred()) || wait_arrivals(self, epoch) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_wait_root(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "wait_root(root, epoch)");
+        return NULL;
+    }
+    int root = (int)PyLong_AsLong(args[0]);
+    long long epoch = PyLong_AsLongLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (root < 0 || root >= self->n)
+        return PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, self->n);
+    if (wait_root(self, root, epoch) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_settle(Ring *self, PyObject *unused)
+{
+    if (settle(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* `with ring:` holds the engine's lock (what the one-piece collectives take) and refuses
+ * a broken ring; leaving with an exception breaks it. */
+static PyObject *Ring_enter(Ring *self, PyObject *unused)
+{
+    if (enter(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Ring_exit(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    int failed = nargs > 0 && args[0] != Py_None;
+    if (failed)
+        self->broken = 1;
+    PyThread_release_lock(self->lock);
+    Py_RETURN_FALSE;
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"broadcast", (PyCFunction)(void (*)(void))Ring_broadcast, METH_FASTCALL,
+     "broadcast(buffer, nbytes, root): root's bytes into every rank's buffer (one piece)"},
+    {"allgather", (PyCFunction)(void (*)(void))Ring_allgather, METH_FASTCALL,
+     "allgather(send, nbytes, recv): every rank's send, in rank order, into recv"},
+    {"allreduce", (PyCFunction)(void (*)(void))Ring_allreduce, METH_FASTCALL,
+     "allreduce(buffer, count, type, op): reduce count elements in place (one piece)"},
+    {"arrive", (PyCFunction)Ring_arrive, METH_NOARGS,
+     "bump this rank's flag to the next epoch (after its slot writes); return the epoch"},
+    {"barrier", (PyCFunction)Ring_barrier, METH_NOARGS, "arrive, then wait for every rank"},
+    {"wait_arrivals", (PyCFunction)Ring_wait_arrivals, METH_O,
+     "wait until every other rank has arrived at epoch, in the same collective"},
+    {"wait_root", (PyCFunction)(void (*)(void))Ring_wait_root, METH_FASTCALL,
+     "a broadcast's receiver: wait for the root's arrival at epoch"},
+    {"settle", (PyCFunction)Ring_settle, METH_NOARGS, "wait what a broadcast left owing"},
+    {"__enter__", (PyCFunction)Ring_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))Ring_exit, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyMemberDef Ring_members[] = {
+    {"epoch", T_LONGLONG, offsetof(Ring, epoch), 0, "this rank's last arrival"},
+    {"use", T_LONGLONG, offsetof(Ring, use), 0, "slot uses so far (their parity alternates)"},
+    {"owed", T_LONGLONG, offsetof(Ring, owed), 0, "an epoch arrived at without waiting"},
+    {"owed_sig", T_LONGLONG, offsetof(Ring, owed_sig), 0, "the signature it arrived with"},
+    {"sig", T_LONGLONG, offsetof(Ring, sig), 0, "the signature of the collective in progress"},
+    {"broken", T_INT, offsetof(Ring, broken), 0, "a collective stopped half-way"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
+{
+    static char *kw[] = {"segments", "me", "slot_bytes", "check_abort", "mismatched",
+                         "refuse", "keep", NULL};
+    PyObject *segments, *keep;
+    Py_ssize_t slot_bytes;
+    int me;
+    if (self->flags != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a ring is made once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinOOOO", kw, &segments, &me, &slot_bytes,
+                                     &self->check_abort, &self->mismatched, &self->refuse,
+                                     &keep))
+        return -1;
+    Py_INCREF(self->check_abort);
+    Py_INCREF(self->mismatched);
+    Py_INCREF(self->refuse);
+    Py_INCREF(keep);
+    self->keep = keep;
+    PyObject *seq = PySequence_Fast(segments, "segments: a list of addresses");
+    if (seq == NULL)
+        return -1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    if (n < 1 || me < 0 || me >= n) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "me must be one of the segments' ranks");
+        return -1;
+    }
+    self->n = (int)n;
+    self->me = me;
+    self->slot_bytes = slot_bytes;
+    self->flags = PyMem_Calloc(n, sizeof(int64_t *));
+    self->slots = PyMem_Calloc(2 * n, sizeof(char *));
+    if (self->flags == NULL || self->slots == NULL) {
+        Py_DECREF(seq);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t r = 0; r < n; r++) {
+        char *base = PyLong_AsVoidPtr(PySequence_Fast_GET_ITEM(seq, r));
+        if (base == NULL && PyErr_Occurred()) {
+            Py_DECREF(seq);
+            return -1;
+        }
+        self->flags[r] = (int64_t *)base;
+        self->slots[2 * r] = base + CACHE_LINE;
+        self->slots[2 * r + 1] = base + CACHE_LINE + slot_bytes;
+    }
+    Py_DECREF(seq);
+    self->lock = PyThread_allocate_lock();
+    if (self->lock == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Ring_dealloc(Ring *self)
+{
+    if (self->lock != NULL)
+        PyThread_free_lock(self->lock);
+    PyMem_Free(self->flags);
+    PyMem_Free(self->slots);
+    Py_XDECREF(self->check_abort);
+    Py_XDECREF(self->mismatched);
+    Py_XDECREF(self->refuse);
+    Py_XDECREF(self->keep);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "mpilab.rank._ring.Ring",
+    .tp_doc = PyDoc_STR(
+        "Ring(segments, me, slot_bytes, check_abort, mismatched, refuse, keep): the flag\n"
+        "protocol over every rank's segment (addresses: a 64-byte line of flag and\n"
+        "signatures, then two slots of slot_bytes), and the collectives of one piece.\n"
+        "keep: what owns the segments' memory, kept alive with the ring."),
+    .tp_basicsize = sizeof(Ring),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+    .tp_members = Ring_members,
+};
+
+static struct PyModuleDef ring_module = {
+    PyModuleDef_HEAD_INIT, "_ring",
+    "The shared-memory engine's flag protocol and one-piece collectives (see shm.py).", -1,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__ring(void)
+{
+    if (PyType_Ready(&RingType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&ring_module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&RingType);
+    if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
+        Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
