@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: install lab test demo lint bench gpu-check clean
 
-$(STAMP): pyproject.toml setup.py kernel_ext/rank/_ring.c constraints-dev.txt
+$(STAMP): pyproject.toml setup.py $(wildcard kernel_ext/rank/*.c) constraints-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# constraints pin torch to the CPU build for development; users get an open range.

@@ -1,8 +1,10 @@
-"""The one compiled part: the shared-memory engine's flag protocol and its collectives of
-one piece (kernel_ext/rank/_ring.c; kernel_ext/rank/shm.py says why it is C). Everything
-else is configured in pyproject.toml."""
+"""The compiled parts, both on the path of every small collective (each file says why it
+is C): the shared-memory engine's flag protocol and collectives of one piece
+(kernel_ext/rank/_ring.c) and a collective's context (kernel_ext/rank/_collective.c).
+Everything else is configured in pyproject.toml."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("mpilab.rank._ring", ["kernel_ext/rank/_ring.c"],
-                             extra_compile_args=["-O2"])])
+setup(ext_modules=[Extension(f"mpilab.rank.{name}", [f"kernel_ext/rank/{name}.c"],
+                             extra_compile_args=["-O3"])
+                   for name in ("_ring", "_collective")])
