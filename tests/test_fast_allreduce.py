@@ -52,6 +52,19 @@ for dt in (np.float32, np.float64, np.float16, np.int64):
     for count in counts:
         for op in ("sum", "max", "min"):
             check(count, dt, op)
+# every other element type the one-piece allreduce (C) reduces: integer sums wrap, as
+# NumPy's do, and unsigned max/min compare the wrapped values
+def expected_wrapped(count, dt, op):
+    parts = [data(q, count, dt) for q in range(n)]  # reduced in dt: NumPy's sum widens
+    return {"sum": np.add, "max": np.maximum, "min": np.minimum}[op].reduce(parts, dtype=dt)
+
+for dt in (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32, np.uint64):
+    for count in (1, 3, 1000, 4099):
+        for op in ("sum", "max", "min"):
+            x = data(r, count, dt)
+            fa.allreduce_inplace(x, op, comm)
+            if not np.array_equal(x, expected_wrapped(count, dt, op)):
+                failures.append(f"{np.dtype(dt).name} count={count} op={op}")
 # 64 MiB (+1 element, so not divisible by 2 or 3)
 check(16 * MiB + 1, np.float32, "sum")
 check(8 * MiB + 1, np.float64, "max")
