@@ -76,8 +76,10 @@ fa.allreduce_inplace(x, "sum", comm)
 digests = comm.allgather(hashlib.sha1(x.tobytes()).hexdigest())
 
 errors = []
+frozen = np.zeros(4, np.float32)
+frozen.flags.writeable = False
 for bad, exc in ((np.zeros((4, 4), np.float32)[:, 1], ValueError),
-                 (np.zeros(4, np.complex64), TypeError)):
+                 (np.zeros(4, np.complex64), TypeError), (frozen, ValueError)):
     try:
         fa.allreduce_inplace(bad, "sum", comm)
     except exc as e:
@@ -109,7 +111,7 @@ def test_shared_memory_path_every_dtype_op_and_size(n):
         assert res["failures"] == []
         assert res["path"] == "shm"  # one node: the shared-memory engine, not MPI
         assert res["identical"]
-        assert len(res["errors"]) == 3
+        assert len(res["errors"]) == 4
         assert res["freed_ok"]
 
 

@@ -209,13 +209,14 @@ static PyObject *leave(Ring *self, int status)
     Py_RETURN_NONE;
 }
 
-/* An address: an int, or an object with a contiguous buffer of at least `need` bytes. */
-static char *address(PyObject *obj, Py_ssize_t need)
+/* An address: an int (a caller's checked tensor), or an object with a contiguous buffer
+ * of at least `need` bytes, which the collective may write into where `writable`. */
+static char *address(PyObject *obj, Py_ssize_t need, int writable)
 {
     if (PyLong_Check(obj))
         return (char *)PyLong_AsVoidPtr(obj);
     Py_buffer view;
-    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0)
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
         return NULL;
     char *p = view.buf;
     Py_ssize_t len = view.len;
@@ -252,7 +253,7 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     if (root < 0 || root >= self->n)
         return PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, self->n);
-    char *buf = address(args[0], nbytes);
+    char *buf = address(args[0], nbytes, 1);
     if (buf == NULL || enter(self) < 0)
         return NULL;
     long long sig = K_BROADCAST | (long long)root << 8 | (long long)nbytes << 24;
@@ -285,10 +286,10 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
     if (PyErr_Occurred() || check_piece(self, nbytes) < 0)
         return NULL;
-    char *send = address(args[0], nbytes);
+    char *send = address(args[0], nbytes, 0);
     if (send == NULL)
         return NULL;
-    char *recv = address(args[2], nbytes * self->n);
+    char *recv = address(args[2], nbytes * self->n, 1);
     if (recv == NULL || enter(self) < 0)
         return NULL;
     self->sig = K_ALLGATHER | (long long)nbytes << 24;
@@ -361,7 +362,7 @@ static PyObject *Ring_allreduce(Ring *self, PyObject *const *args, Py_ssize_t na
     Py_ssize_t nbytes = count * ITEM_SIZE[type];
     if (check_piece(self, nbytes) < 0)
         return NULL;
-    char *buf = address(args[0], nbytes);
+    char *buf = address(args[0], nbytes, 1);
     if (buf == NULL || enter(self) < 0)
         return NULL;
     self->sig = op | (long long)nbytes << 24;

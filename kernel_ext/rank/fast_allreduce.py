@@ -257,6 +257,9 @@ def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
         )
     if not array.flags.c_contiguous:
         raise ValueError("allreduce_inplace needs a C-contiguous array; pass a copy")
+    if not array.flags.writeable:
+        raise ValueError("allreduce_inplace reduces in place, and this array is read-only; "
+                         "pass a writable copy")
     if array.size == 0:
         return
     flat = array if array.ndim == 1 else array.reshape(-1)
