@@ -35,10 +35,22 @@
 #define YIELD_NS 5000000LL         /* then yield the core for up to this */
 #define MAX_SLEEP_NS 1000000LL     /* then sleep at most this at a time */
 
-/* the collectives' signature codes (shm._KIND_CODES) */
+/* the collectives' kinds in their signatures (the module's KINDS, for shm.py) */
 enum { K_SUM = 1, K_MAX = 2, K_MIN = 3, K_BROADCAST = 4, K_ALLGATHER = 5, K_BARRIER = 6 };
-/* element types of the one-piece allreduce (shm.DTYPE_CODES) */
+static const char *KIND_NAMES[] = {NULL, "sum", "max", "min", "broadcast", "allgather",
+                                   "barrier"};
+/* element types of the one-piece allreduce (the module's ELEMENT_TYPES, NumPy's names) */
 enum { T_F32 = 0, T_F64, T_F16, T_I8, T_I16, T_I32, T_I64, T_U8, T_U16, T_U32, T_U64, T_COUNT };
+static const char *TYPE_NAMES[T_COUNT] = {"float32", "float64", "float16", "int8", "int16",
+                                          "int32", "int64", "uint8", "uint16", "uint32",
+                                          "uint64"};
+
+/* What a rank announces with an arrival: the collective (an allreduce by its reduction),
+ * a broadcast's root and the bytes, in one int64. */
+static inline long long signature(int kind, Py_ssize_t nbytes, int root)
+{
+    return kind | (long long)root << 8 | (long long)nbytes << 24;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -256,7 +268,7 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
     char *buf = address(args[0], nbytes, 1);
     if (buf == NULL || enter(self) < 0)
         return NULL;
-    long long sig = K_BROADCAST | (long long)root << 8 | (long long)nbytes << 24;
+    long long sig = signature(K_BROADCAST, nbytes, root);
     self->sig = sig;
     char *slot = self->slots[2 * root + (++self->use & 1)];
     int status = settle(self);
@@ -292,7 +304,7 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
     char *recv = address(args[2], nbytes * self->n, 1);
     if (recv == NULL || enter(self) < 0)
         return NULL;
-    self->sig = K_ALLGATHER | (long long)nbytes << 24;
+    self->sig = signature(K_ALLGATHER, nbytes, 0);
     int parity = ++self->use & 1, me = self->me;
     int status = settle(self);
     if (status == 0) {
@@ -365,7 +377,7 @@ static PyObject *Ring_allreduce(Ring *self, PyObject *const *args, Py_ssize_t na
     char *buf = address(args[0], nbytes, 1);
     if (buf == NULL || enter(self) < 0)
         return NULL;
-    self->sig = op | (long long)nbytes << 24;
+    self->sig = signature(op, nbytes, 0);
     int parity = ++self->use & 1;
     int status = settle(self);
     if (status == 0) {
@@ -561,10 +573,30 @@ static PyTypeObject RingType = {
     .tp_members = Ring_members,
 };
 
+static PyObject *module_signature(PyObject *m, PyObject *args)
+{
+    const char *kind;
+    Py_ssize_t nbytes;
+    int root = 0;
+    if (!PyArg_ParseTuple(args, "sn|i", &kind, &nbytes, &root))
+        return NULL;
+    for (int k = K_SUM; k <= K_BARRIER; k++)
+        if (strcmp(kind, KIND_NAMES[k]) == 0)
+            return PyLong_FromLongLong(signature(k, nbytes, root));
+    return PyErr_Format(PyExc_ValueError, "no collective %s", kind);
+}
+
+static PyMethodDef module_methods[] = {
+    {"signature", module_signature, METH_VARARGS,
+     "signature(kind, nbytes, root=0): what a rank announces with an arrival (the ring's "
+     "`sig`)"},
+    {NULL, NULL, 0, NULL},
+};
+
 static struct PyModuleDef ring_module = {
     PyModuleDef_HEAD_INIT, "_ring",
     "The shared-memory engine's flag protocol and one-piece collectives (see shm.py).", -1,
-    NULL,
+    module_methods,
 };
 
 PyMODINIT_FUNC PyInit__ring(void)
@@ -577,6 +609,30 @@ PyMODINIT_FUNC PyInit__ring(void)
     Py_INCREF(&RingType);
     if (PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0) {
         Py_DECREF(&RingType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    PyObject *kinds = PyDict_New(), *types = PyTuple_New(T_COUNT);
+    int failed = kinds == NULL || types == NULL;
+    for (int k = K_SUM; !failed && k <= K_BARRIER; k++) {
+        PyObject *code = PyLong_FromLong(k);
+        failed = code == NULL || PyDict_SetItemString(kinds, KIND_NAMES[k], code) < 0;
+        Py_XDECREF(code);
+    }
+    for (int t = 0; !failed && t < T_COUNT; t++) {
+        PyObject *name = PyUnicode_FromString(TYPE_NAMES[t]);
+        failed = name == NULL;
+        if (!failed)
+            PyTuple_SET_ITEM(types, t, name);
+    }
+    if (failed || PyModule_AddObject(m, "KINDS", kinds) < 0) {
+        Py_XDECREF(kinds);
+        Py_XDECREF(types);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddObject(m, "ELEMENT_TYPES", types) < 0) {
+        Py_DECREF(types);
         Py_DECREF(m);
         return NULL;
     }

@@ -28,9 +28,9 @@ notebook's watchdog names the mismatch from the heartbeats and releases the rank
 
 The protocol and the collectives that fit in one piece are C (``_ring.Ring``, which
 holds the synchronisation state: epoch, slot parity, what a broadcast owes, the
-collective in progress, broken). A collective of a few KiB between two cores is well
-under a microsecond of copying and cache-line hand-offs, but took ~2 µs of Python flag
-reads, epoch bumps and NumPy calls; in C it takes a fraction of that. The larger ones
+collective in progress, broken) and the collectives' signatures. A collective of a few
+KiB between two cores is well under a microsecond of copying and cache-line hand-offs;
+in Python its flag reads, epoch bumps and NumPy calls would cost ~2 µs more. The larger ones
 stay here, in NumPy (which releases the GIL), and use the ring's arrive / barrier /
 wait_root / settle between their chunks: one protocol for both.
 
@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._ring import Ring
+from ._ring import ELEMENT_TYPES, KINDS, Ring, signature
 from .waiting import check_abort
 
 CACHE_LINE = 64
@@ -80,11 +80,8 @@ ALLGATHER_PIECE_BYTES = 512 << 10
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
-_KIND_CODES = {"sum": 1, "max": 2, "min": 3, "broadcast": 4, "allgather": 5, "barrier": 6}
-# the element types the ring reduces (its enum); others take the chunked path
-DTYPE_CODES = {np.dtype(t): code for code, t in enumerate(
-    (np.float32, np.float64, np.float16, np.int8, np.int16, np.int32, np.int64,
-     np.uint8, np.uint16, np.uint32, np.uint64))}
+# the element types the ring reduces, by the ring's code; others take the chunked path
+DTYPE_CODES = {np.dtype(name): code for code, name in enumerate(ELEMENT_TYPES)}
 
 
 def last_level_cache_bytes() -> int:
@@ -100,12 +97,6 @@ def last_level_cache_bytes() -> int:
     except (OSError, ValueError):
         pass
     return best or 32 << 20
-
-
-def signature(kind: str, nbytes: int, root: int = 0) -> int:
-    """What a rank announces with an arrival: the collective (an allreduce by its
-    reduction), a broadcast's root and the bytes, in one int64."""
-    return _KIND_CODES[kind] | root << 8 | nbytes << 24
 
 
 class ShmBroken(RuntimeError):
@@ -218,7 +209,7 @@ class ShmEngine:
         """
         code = DTYPE_CODES.get(arr.dtype)
         if arr.nbytes <= self.oneshot_bytes and code is not None:
-            self._ring.allreduce(arr, arr.size, code, _KIND_CODES[op])
+            self._ring.allreduce(arr, arr.size, code, KINDS[op])
             return
         self._run(self._rsag, arr, UFUNCS[op], to_root_only, signature(op, arr.nbytes))
 
@@ -277,7 +268,7 @@ class ShmEngine:
         code = DTYPE_CODES.get(dtype)
         if count * dtype.itemsize > self.oneshot_bytes or code is None:
             return None
-        return functools.partial(self._ring.allreduce, address, count, code, _KIND_CODES[op])
+        return functools.partial(self._ring.allreduce, address, count, code, KINDS[op])
 
     def small_broadcast(self, address: int, nbytes: int) -> Callable[[int], None] | None:
         """A function of the root that broadcasts the `nbytes` at `address` (one piece,
