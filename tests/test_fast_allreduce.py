@@ -59,12 +59,22 @@ def expected_wrapped(count, dt, op):
     return {"sum": np.add, "max": np.maximum, "min": np.minimum}[op].reduce(parts, dtype=dt)
 
 for dt in (np.int8, np.int16, np.int32, np.uint8, np.uint16, np.uint32, np.uint64):
-    for count in (1, 3, 1000, 4099):
+    for count in (1, 3, 1000, 4099, 3 * MiB // np.dtype(dt).itemsize + 7):
         for op in ("sum", "max", "min"):
             x = data(r, count, dt)
             fa.allreduce_inplace(x, op, comm)
             if not np.array_equal(x, expected_wrapped(count, dt, op)):
                 failures.append(f"{np.dtype(dt).name} count={count} op={op}")
+# a max or min with a NaN is NaN, as NumPy's maximum and minimum, on every path (one
+# piece, chunked), whichever rank holds it
+for count in (4099, 3 * MiB // 4 + 7):
+    for op in ("max", "min"):
+        x = data(r, count, np.float32)
+        x[count // 2 + r] = np.nan  # each rank its own NaN; the others' values there are not
+        fa.allreduce_inplace(x, op, comm)
+        holes = np.flatnonzero(np.isnan(x))
+        if list(holes) != [count // 2 + q for q in range(n)]:
+            failures.append(f"float32 count={count} op={op}: NaN at {list(holes[:8])}")
 # 64 MiB (+1 element, so not divisible by 2 or 3)
 check(16 * MiB + 1, np.float32, "sum")
 check(8 * MiB + 1, np.float64, "max")

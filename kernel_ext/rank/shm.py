@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._ring import ELEMENT_TYPES, KINDS, Ring, signature
+from ._ring import ELEMENT_TYPES, KINDS, Ring, reduce_publish, signature
 from .waiting import check_abort
 
 CACHE_LINE = 64
@@ -97,6 +97,25 @@ def last_level_cache_bytes() -> int:
     except (OSError, ValueError):
         pass
     return best or 32 << 20
+
+
+def _reducer(op: str, dtype: np.dtype) -> Callable[[np.ndarray, tuple, np.ndarray], None]:
+    """The function that reduces an owner's slice with the others' (`mine` ⊕= each of
+    `others`, in rank order) and writes the result into `published` too: in one pass, in
+    C, for the ring's element types (reading the slice again for a separate copy costs
+    a pass through the cache per chunk); with NumPy's ufunc and a copy for the others."""
+    code = DTYPE_CODES.get(np.dtype(dtype))
+    if code is not None:
+        kind = KINDS[op]
+        return lambda mine, others, published: reduce_publish(
+            mine, others, published, mine.size, code, kind)
+    ufunc = UFUNCS[op]
+
+    def reduce_then_copy(mine: np.ndarray, others: tuple, published: np.ndarray) -> None:
+        for src in others:
+            ufunc(mine, src, out=mine)
+        np.copyto(published, mine)
+    return reduce_then_copy
 
 
 class ShmBroken(RuntimeError):
@@ -211,7 +230,8 @@ class ShmEngine:
         if arr.nbytes <= self.oneshot_bytes and code is not None:
             self._ring.allreduce(arr, arr.size, code, KINDS[op])
             return
-        self._run(self._rsag, arr, UFUNCS[op], to_root_only, signature(op, arr.nbytes))
+        self._run(self._rsag, arr, _reducer(op, arr.dtype), to_root_only,
+                  signature(op, arr.nbytes))
 
     def split_allreduce(self, arr: np.ndarray, op: str,
                         across: Callable[[np.ndarray], None]) -> None:
@@ -298,7 +318,8 @@ class ShmEngine:
                 [pair[p][:count] for pair in typed] for p in (0, 1))
         return views
 
-    def _rsag(self, arr: np.ndarray, ufunc, to_root_only: bool, sig: int) -> None:
+    def _rsag(self, arr: np.ndarray, reduce_slice: Callable[..., None], to_root_only: bool,
+              sig: int) -> None:
         """Reduce-scatter then all-gather, chunk by chunk, one barrier per chunk.
 
         Chunk j is split into one slice per rank; rank r owns slice r. Phase j (between
@@ -306,7 +327,8 @@ class ShmEngine:
           copy_in(k):  write my slices != me of chunk k into my slot (parity k)
           reduce(k):   slice me of my array ⊕= the others' slots, in place (the line is
                        already in cache, so writing it costs no extra memory traffic),
-                       then copied into slice me of my slot (parity k) for the others
+                       the result written into slice me of my slot (parity k) for the
+                       others in the same pass (`_reducer`)
           copy_out(k): read every other owner's reduced slice of chunk k into my array
         In one phase nobody reads what is being written: copy_in writes parity j+1
         slices != owner while others read only the owner's slice of that parity;
@@ -331,7 +353,7 @@ class ShmEngine:
             slots = [pair[parity][: c.size] for pair in typed]
             own = slice(b[me], b[me + 1])
             outside = [(slots[me][s], c[s]) for s in (slice(0, b[me]), slice(b[me + 1], None))]
-            others = [slots[r][own] for r in range(size) if r != me]
+            others = tuple(slots[r][own] for r in range(size) if r != me)
             gather = [] if to_root_only and me != 0 else [
                 (c[b[r] : b[r + 1]], slots[r][b[r] : b[r + 1]]) for r in range(size) if r != me]
             phases.append((
@@ -351,10 +373,7 @@ class ShmEngine:
                 return
             # The owner alone computes its slice and everyone copies it, so all ranks
             # get identical bits.
-            mine, others = operands
-            for src in others:
-                ufunc(mine, src, out=mine)
-            np.copyto(published, mine)
+            reduce_slice(operands[0], operands[1], published)
 
         def copy_out(k: int) -> None:
             for dst, src in phases[k][3]:
