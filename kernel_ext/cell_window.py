@@ -60,7 +60,7 @@ class CellWindow:
                 len(self._marks) < len(self.msg_ids or ()) or any(
                     m.end == math.inf for m in self._marks.values())):
             self._events_read = events
-            marks = self._marks = store.cell_marks(self.msg_ids or {}, self.since)
+            marks = self._marks = store.cell_marks(self.msg_ids or {})
             # what the runner, the watchdog and the dashboard read on every tick, made
             # once per reading of the marks (1,024 ranks)
             self._bounds = {r: (m.start, m.end) for r, m in marks.items()}

@@ -30,9 +30,11 @@ from .wire import HEARTBEAT, ROWS, TABLES, decode, encode
 # its events would push the rare ones (a cell's end) out of the bounded buffers within
 # an hour, and readers would scan them. A checkpoint is named when the ranks restart.
 LATEST_ONLY_EVENTS = frozenset({"progress", "checkpoint"})
-# how far the ranks' clocks may lag the notebook's (hosts kept in step by NTP): a cell's
-# start is looked for from this long before it was run
-CLOCK_SKEW_S = 60.0
+# A cell's start and end events, found by its execute request: what the runner, the
+# watchdog and the dashboard ask for every tick of a running cell, at a cost that does
+# not grow with the cells run before it. Kept for this many cells a rank, newest last.
+CELL_EVENTS = frozenset({"cell-start", "cell-end"})
+CELLS_KEPT = 4096
 
 
 @dataclass
@@ -53,6 +55,7 @@ class MetricsStore:
     _latest: dict = field(default_factory=dict)  # (what, rank) -> newest LATEST_ONLY event
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
     _buffers: dict = field(default_factory=dict)  # (kind, rank) -> records (events)
+    _cells: dict = field(default_factory=dict)  # rank -> {msg id: {what: cell event}}
     _tables: dict = field(default_factory=dict)  # kind -> (rank, labels) -> RowTable
     _budget: TableBudget | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -156,12 +159,25 @@ class MetricsStore:
                 buf.ordered = buf.ordered and (not buf or record["t"] >= buf[-1]["t"])
                 buf.append(record)
                 self.events += 1
+                if record["what"] in CELL_EVENTS and "msg" in record:
+                    self._file_cell_event(rank, record)
             self.received += 1
             last_seen[rank] = monotonic_now
             filed += 1
         self.version += filed
         self.dropped += dropped
         return dropped
+
+    def _file_cell_event(self, rank: int, record: dict) -> None:
+        cells = self._cells.get(rank)
+        if cells is None:
+            cells = self._cells[rank] = {}
+        marks = cells.get(record["msg"])
+        if marks is None:
+            if len(cells) >= CELLS_KEPT:
+                del cells[next(iter(cells))]
+            marks = cells[record["msg"]] = {}
+        marks[record["what"]] = record
 
     def _table(self, kind: str, rank: int, labels: tuple) -> RowTable:
         tables = self._tables.setdefault(kind, {})
@@ -285,14 +301,15 @@ class MetricsStore:
                        for kind in kinds for (rank, _), rows in self._tables.get(kind, {}).items()
                        if rank in window)
 
-    def cell_marks(self, msg_ids: dict[int, str], since: float) -> dict[int, CellMarks]:
+    def cell_marks(self, msg_ids: dict[int, str]) -> dict[int, CellMarks]:
         """The cell each rank ran for the execute request `msg_ids` names, for the ranks
-        that have begun it; `since`: when it was run."""
+        that have begun it."""
         marks = {}
+        no_cell: dict = {}
         with self._lock:
+            cells = self._cells
             for rank, msg_id in msg_ids.items():
-                events = _newer_than(self._buffers.get(("event", rank)), since - CLOCK_SKEW_S)
-                mine = {e["what"]: e for e in events if e.get("msg") == msg_id}
+                mine = cells.get(rank, no_cell).get(msg_id, no_cell)
                 start, end = mine.get("cell-start"), mine.get("cell-end")
                 if start is not None:
                     marks[rank] = CellMarks(start["t"], math.inf if end is None else end["t"],

@@ -240,6 +240,29 @@ def test_store_clear_forgets_metrics_but_keeps_heartbeats_and_cell_marks():
     assert CellWindow(T0, {1: "m"}).bounds(store) == {1: (T0, float("inf"))}
 
 
+def test_cell_marks_found_by_request_among_many_cells():
+    """A cell's window is found by its execute request however many cells ran before it
+    (cells of a few ms each fill the event buffers); the marks of the oldest cells go
+    beyond metrics_store.CELLS_KEPT a rank."""
+    from mpilab.metrics_store import CELLS_KEPT
+
+    store = MetricsStore(world_size=2)
+    cells = CELLS_KEPT + 10
+    for c in range(cells):
+        for what, dt in (("cell-start", 0.0), ("cell-end", 0.001)):
+            store.add({"k": "event", "r": 0, "t": T0 + c * 0.002 + dt, "what": what,
+                       "msg": f"m{c}", "cell": c})
+    newest = store.cell_marks({0: f"m{cells - 1}", 1: f"m{cells - 1}"})
+    assert list(newest) == [0]  # rank 1 never began it
+    assert (newest[0].start, newest[0].end, newest[0].number) == (
+        T0 + (cells - 1) * 0.002, T0 + (cells - 1) * 0.002 + 0.001, cells - 1)
+    assert store.cell_marks({0: "m0"}) == {}  # beyond CELLS_KEPT
+    assert store.cell_marks({0: "m10"})[0].number == 10
+    # a cell that has begun but not ended runs on
+    store.add({"k": "event", "r": 1, "t": T0, "what": "cell-start", "msg": "late", "cell": 3})
+    assert store.cell_marks({1: "late"})[1].end == float("inf")
+
+
 # -- exporters ----------------------------------------------------------------------------
 def metrics_store() -> MetricsStore:
     store = MetricsStore(world_size=2)
