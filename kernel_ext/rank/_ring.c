@@ -24,6 +24,9 @@
 #include <structmember.h>
 #include <pythread.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#endif
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -595,6 +598,63 @@ static PyObject *module_signature(PyObject *m, PyObject *args)
     return PyErr_Format(PyExc_ValueError, "no collective %s", kind);
 }
 
+/* stream_copy(dst, src): copy src's bytes into dst with stores that bypass the caches
+ * (x86's non-temporal stores; a plain memcpy elsewhere). For a destination far larger
+ * than the caches, which a cached store would first read from memory (for ownership) and
+ * then evict anyway: a third less memory traffic. Without the GIL. */
+static void stream_bytes(char *dst, const char *src, Py_ssize_t n)
+{
+#if defined(__SSE2__)
+    Py_ssize_t head = (Py_ssize_t)((16 - ((uintptr_t)dst & 15)) & 15);
+    if (head > n)
+        head = n;
+    memcpy(dst, src, head);
+    dst += head, src += head, n -= head;
+    Py_ssize_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(src + i));
+        __m128i b = _mm_loadu_si128((const __m128i *)(src + i + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(src + i + 32));
+        __m128i d = _mm_loadu_si128((const __m128i *)(src + i + 48));
+        _mm_stream_si128((__m128i *)(dst + i), a);
+        _mm_stream_si128((__m128i *)(dst + i + 16), b);
+        _mm_stream_si128((__m128i *)(dst + i + 32), c);
+        _mm_stream_si128((__m128i *)(dst + i + 48), d);
+    }
+    memcpy(dst + i, src + i, n - i);
+    _mm_sfence();  /* the streamed stores are visible before any flag that follows */
+#else
+    memcpy(dst, src, n);
+#endif
+}
+
+static PyObject *module_stream_copy(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "stream_copy(dst, src)");
+        return NULL;
+    }
+    Py_buffer dst, src;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (dst.len != src.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy of %zd bytes into %zd", src.len, dst.len);
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        stream_bytes(dst.buf, src.buf, src.len);
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    if (PyErr_Occurred())
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 /* reduce_publish(mine, others, published, count, type, op): mine = mine (op) each of
  * `others` in turn, the last pass writing the result into `published` as well. A chunked
  * allreduce's owner reduces its slice and publishes it for the other ranks so, reading its
@@ -630,6 +690,9 @@ static PyObject *module_reduce_publish(PyObject *m, PyObject *const *args, Py_ss
 }
 
 static PyMethodDef module_methods[] = {
+    {"stream_copy", (PyCFunction)(void (*)(void))module_stream_copy, METH_FASTCALL,
+     "stream_copy(dst, src): src's bytes into dst (same length), with stores that bypass "
+     "the caches where the CPU has them"},
     {"reduce_publish", (PyCFunction)(void (*)(void))module_reduce_publish, METH_FASTCALL,
      "reduce_publish(mine, others, published, count, type, op): mine (op)= each of others "
      "(a tuple), the result written into published too, in the same pass"},

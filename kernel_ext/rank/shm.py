@@ -57,7 +57,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._ring import ELEMENT_TYPES, KINDS, Ring, reduce_publish, signature
+from ._ring import ELEMENT_TYPES, KINDS, Ring, reduce_publish, signature, stream_copy
 from .waiting import check_abort
 
 CACHE_LINE = 64
@@ -77,6 +77,14 @@ DEFAULT_CHUNK_BYTES = 2 << 20
 # allreduce's chunk, since an allgather does no arithmetic between its copies
 # (benchmarks/bench_pieces.py times the choices; docs/performance.md has the figures).
 ALLGATHER_PIECE_BYTES = 512 << 10
+
+# A collective's copies into the caller's buffer go around the caches (`stream_copy`)
+# when that buffer is at least this fraction of the last-level cache (a broadcast's or
+# an allgather's destination), or the whole cache (an allreduce's, whose lines its own
+# copy-in has just read): a cached store would first read each line from memory, to
+# evict it again before the call ends. Below these sizes cached stores measured as fast
+# or faster (docs/performance.md).
+STREAM_FRACTION_OF_CACHE = 4
 
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
@@ -180,6 +188,7 @@ class ShmEngine:
         self._streaming_piece = streaming_piece_bytes
         # agreed: every rank of a broadcast must cut it into the same pieces
         self._cache_bytes = node_comm.allreduce(last_level_cache_bytes(), op=MPI.MIN)
+        self._stream_bytes = self._cache_bytes // STREAM_FRACTION_OF_CACHE
         # MPI's idiom for shared windows: every flag is 0 before anyone reads one.
         self.win.Sync()
         node_comm.Barrier()
@@ -330,6 +339,8 @@ class ShmEngine:
                        the result written into slice me of my slot (parity k) for the
                        others in the same pass (`_reducer`)
           copy_out(k): read every other owner's reduced slice of chunk k into my array
+                       (around the caches for an array as large as the last-level
+                       cache: STREAM_FRACTION_OF_CACHE)
         In one phase nobody reads what is being written: copy_in writes parity j+1
         slices != owner while others read only the owner's slice of that parity;
         reduce writes the owner's slice of parity j while others read the other slices.
@@ -375,9 +386,11 @@ class ShmEngine:
             # get identical bits.
             reduce_slice(operands[0], operands[1], published)
 
+        out = stream_copy if arr.nbytes >= self._cache_bytes else np.copyto
+
         def copy_out(k: int) -> None:
             for dst, src in phases[k][3]:
-                np.copyto(dst, src)
+                out(dst, src)
 
         ring = self._ring
         ring.sig = sig
@@ -411,6 +424,7 @@ class ShmEngine:
         step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
         count = min(step, arr.size)
         views, ring = self._views(dt, count), self._ring
+        copy_out = stream_copy if arr.nbytes >= self._stream_bytes else np.copyto
         ring.sig = sig = signature("broadcast", arr.nbytes, root)
         for start in range(0, arr.size, step):
             chunk = arr[start : start + step] if count < arr.size else arr
@@ -422,7 +436,7 @@ class ShmEngine:
             else:
                 epoch = ring.arrive()
                 ring.wait_root(root, epoch)
-                np.copyto(chunk, slot)
+                copy_out(chunk, slot)
                 ring.owed, ring.owed_sig = epoch, sig
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
@@ -451,18 +465,20 @@ class ShmEngine:
         starts = list(range(0, m, step))
         parities = [self._next_parity() for _ in starts]
 
+        out = stream_copy if recv.nbytes >= self._stream_bytes else np.copyto
+
         def copy_out(k: int) -> None:
             s = starts[k]
             c = min(step, m - s)
             for r in others:
-                np.copyto(recv[r * m + s : r * m + s + c], typed[r][parities[k]][:c])
+                out(recv[r * m + s : r * m + s + c], typed[r][parities[k]][:c])
 
         for j, s in enumerate(starts):
             if j > 0:
                 copy_out(j - 1)
             chunk = send[s : s + step]
             np.copyto(typed[me][parities[j]][: chunk.size], chunk)
-            np.copyto(recv[me * m + s : me * m + s + chunk.size], chunk)
+            out(recv[me * m + s : me * m + s + chunk.size], chunk)
             ring.barrier()
         copy_out(len(starts) - 1)
 
