@@ -31,8 +31,11 @@ holds the synchronisation state: epoch, slot parity, what a broadcast owes, the
 collective in progress, broken) and the collectives' signatures. A collective of a few
 KiB between two cores is well under a microsecond of copying and cache-line hand-offs;
 in Python its flag reads, epoch bumps and NumPy calls would cost ~2 µs more. The larger ones
-stay here, in NumPy (which releases the GIL), and use the ring's arrive / barrier /
-wait_root / settle between their chunks: one protocol for both.
+are driven from here, chunk by chunk, and use the ring's arrive / barrier / wait_root /
+settle between their chunks: one protocol for both. Their copies are NumPy's, but for
+the copies into a destination as large as the cache (`stream_copy`, which bypasses
+it) and an allreduce's reduction, which publishes as it reduces (`reduce_publish`);
+all of them release the GIL.
 
 Waiting spins ~10 µs, then yields the core for up to 5 ms (releasing the GIL, running
 Python's signal handlers), then sleeps up to 1 ms at a time, checking for an abort
