@@ -1,7 +1,7 @@
-"""The compiled parts, both on the path of every small collective (each file says why it
-is C): the shared-memory engine's flag protocol and collectives of one piece
-(kernel_ext/rank/_ring.c) and a collective's context (kernel_ext/rank/_collective.c).
-Everything else is configured in pyproject.toml."""
+"""The compiled parts, on the path of every collective (each file says why it is C): the
+shared-memory engine's flag protocol, its collectives of one piece and two passes of its
+larger ones (kernel_ext/rank/_ring.c), and a collective's context
+(kernel_ext/rank/_collective.c). Everything else is configured in pyproject.toml."""
 
 from setuptools import Extension, setup
 

@@ -1,5 +1,6 @@
-/* The flag protocol of mpilab's shared-memory engine (shm.py), and its collectives of one
- * piece, in C.
+/* The flag protocol of mpilab's shared-memory engine (shm.py), its collectives of one
+ * piece, and the two passes of its larger collectives that C does better than NumPy (a
+ * copy that bypasses the caches, a reduction that publishes as it goes), in C.
  *
  * Why C: a collective of a few KiB between two cores of one node takes well under a
  * microsecond of copying and cache-line hand-offs, but several microseconds of Python
@@ -675,8 +676,9 @@ static PyObject *module_reduce_publish(PyObject *m, PyObject *const *args, Py_ss
         return PyErr_Format(PyExc_ValueError, "no reduction %d of %zd elements of type %d",
                             op, count, type);
     Py_ssize_t nbytes = count * ITEM_SIZE[type], n = PyTuple_GET_SIZE(args[1]);
-    char *mine = address(args[0], nbytes, 1), *published = address(args[2], nbytes, 1);
-    if (mine == NULL || published == NULL)
+    char *mine = address(args[0], nbytes, 1);
+    char *published = mine == NULL ? NULL : address(args[2], nbytes, 1);
+    if (published == NULL)
         return NULL;
     const char *others[n];
     for (Py_ssize_t k = 0; k < n; k++)
