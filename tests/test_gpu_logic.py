@@ -175,6 +175,22 @@ def test_a_wait_for_the_main_thread_is_numbered_on_any_thread(fresh_agent):
         assert fresh_agent.state.seq == 2
 
 
+def test_a_batch_process_spans_reach_a_capture_set_after_the_context(fresh_agent):
+    """Without a notebook a collective's span goes only to a capture (an `emit` set on
+    the agent), also one set after a kept context (a tensor's plan) was made."""
+    kept = waiting.kept_collective("allreduce", 4096, (1024,))
+    assert kept.run(lambda x: x + 1, 1) == 2  # no capture: numbered, the span dropped
+    assert fresh_agent.state.seq == 1
+    records = []
+    fresh_agent.emit = lambda kind, **f: records.append((kind, f))
+    kept.run(int)
+    assert [(kind, f["name"], f["nbytes"], f["seq"]) for kind, f in records] == \
+        [("span", "allreduce", 4096, 2)]
+    del fresh_agent.emit
+    kept.run(int)
+    assert len(records) == 1 and fresh_agent.state.seq == 3
+
+
 def _engine_run_backward(wait_for):
     """Named as torch's engine entry: the main thread sits in C++ below it."""
     wait_for()
