@@ -95,6 +95,15 @@ UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 DTYPE_CODES = {np.dtype(name): code for code, name in enumerate(ELEMENT_TYPES)}
 
 
+def _timed(times: dict[str, float], name: str, fn: Callable[..., None]) -> Callable[..., None]:
+    """fn, adding the seconds each call takes to times[name]."""
+    def timed(*args) -> None:
+        start = time.perf_counter()
+        fn(*args)
+        times[name] = times.get(name, 0.0) + time.perf_counter() - start
+    return timed
+
+
 def last_level_cache_bytes() -> int:
     """The size of this CPU's largest cache, from sysfs (32 MiB where it cannot say)."""
     best = 0
@@ -180,6 +189,10 @@ class ShmEngine:
         self._ring = Ring([int(raw.ctypes.data) for raw in segments], self.rank,
                           self.chunk_bytes, check_abort, _mismatched, self._refuse, segments)
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # seconds spent in each pass of the chunked allreduce ("copy in", "reduce",
+        # "copy out", "barrier"), summed, while a caller sets it to a dict: where a large
+        # allreduce's time goes (benchmarks/bench_allreduce_passes.py); None, untimed
+        self.pass_times: dict[str, float] | None = None
         self._small_views: dict[tuple[np.dtype, int], tuple[list[np.ndarray], ...]] = {}
         self._other_ranks = [r for r in range(self.size) if r != self.rank]
         # Below this, saving a barrier matters more than the (n-1)× redundant arithmetic
@@ -396,17 +409,23 @@ class ShmEngine:
                 out(dst, src)
 
         ring = self._ring
+        barrier = ring.barrier
+        if self.pass_times is not None:
+            copy_in, reduce, copy_out, barrier = (
+                _timed(self.pass_times, name, fn) for name, fn in (
+                    ("copy in", copy_in), ("reduce", reduce), ("copy out", copy_out),
+                    ("barrier", barrier)))
         ring.sig = sig
         ring.settle()
         copy_in(0)
-        ring.barrier()
+        barrier()
         for j in range(len(phases)):
             if j > 0:
                 copy_out(j - 1)
             reduce(j)
             if j + 1 < len(phases):
                 copy_in(j + 1)
-            ring.barrier()
+            barrier()
         copy_out(len(phases) - 1)
 
     def broadcast(self, arr: np.ndarray, root: int = 0) -> None:
