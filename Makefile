@@ -28,7 +28,7 @@ test: install
 demo: install
 	$(BIN)/mpilab run notebooks/01_quickstart.ipynb -o build/quickstart.ipynb --html build/quickstart.html
 
-# every figure of the README's benchmark table, with the options it quotes (~28 min)
+# every figure of the README's benchmark table, with the options it quotes (~29 min)
 bench: install
 	$(BIN)/python benchmarks/bench_dispatch.py --reps 40
 	$(BIN)/python benchmarks/bench_start.py --reps 3
@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_training.py --steps 20 --repeats 5
 	$(BIN)/python benchmarks/bench_allreduce.py --repeats 30
 	$(BIN)/python benchmarks/bench_pieces.py
+	$(BIN)/python benchmarks/bench_allreduce_passes.py
 	$(BIN)/python benchmarks/bench_redraw.py
 	$(BIN)/python benchmarks/bench_overhead.py --reps 3 --phase-cells 12
 	$(BIN)/python benchmarks/bench_overhead.py -n 1 --threads 1 --reps 3 --phase-cells 6
