@@ -35,18 +35,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
+
+from ranks import relaunch
 
 MIB = 1 << 20
 NAMES = {"mpilab": "mpilab", "mpilab-internal": "internal", "mpi": "mpi4py", "gloo": "gloo"}
 OVERHEAD_TARGET_US = 5.0
 CEILING_TARGET = 0.80  # allreduce at >= 16 MiB against the memory-copy figure
-
-
-def _under_mpi() -> bool:
-    return any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK"))
 
 
 def main() -> int:
@@ -57,10 +54,9 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
-    if not _under_mpi():
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        cmd = [str(mpiexec), "-n", str(args.n), sys.executable, __file__, *sys.argv[1:]]
-        return subprocess.call(cmd)
+    launched = relaunch(args.n)
+    if launched is not None:
+        return launched
 
     import mpilab
     from mpilab.rank import bench

@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
+
+from ranks import relaunch
 
 PIECES = [2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10]
 
@@ -34,10 +34,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     args = parser.parse_args()
-    if not any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE")):
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        return subprocess.call([str(mpiexec), "-n", str(args.n), sys.executable, __file__,
-                                *sys.argv[1:]])
+    launched = relaunch(args.n)
+    if launched is not None:
+        return launched
 
     import numpy as np
     from mpi4py import MPI
