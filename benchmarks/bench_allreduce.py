@@ -60,7 +60,6 @@ def main() -> int:
 
     import mpilab
     from mpilab.rank import bench
-    from mpilab.rank.waiting import wait_interruptibly
     from mpilab.wire import parse_sizes
 
     ctx = mpilab.init()
@@ -72,19 +71,9 @@ def main() -> int:
                                                           else []), args.repeats)
             for op in ops}
     load_after = os.getloadavg()
-    # The memory-copy figure on rank 0 alone, while the others sleep rather than spin,
-    # then the same copy on every rank at once. Five times each, alternating (the host's
-    # memory bandwidth drifts, at times 2x for seconds), the medians kept.
-    measured: dict[str, list[float]] = {"alone": [], "all ranks": []}
-    for _ in range(5):
-        if ctx.rank == 0:
-            measured["alone"].append(bench.memcpy_bandwidth())
-        wait_interruptibly(ctx.comm.Ibarrier())
-        ctx.comm.Barrier()
-        each = ctx.comm.gather(bench.memcpy_bandwidth(), root=0)
-        wait_interruptibly(ctx.comm.Ibarrier())
-        if ctx.rank == 0:
-            measured["all ranks"].append(min(each))  # the slowest rank's
+    # the memory-copy figure alone and on every rank at once, five times each, medians
+    alone, together = bench.memcpy_figures(ctx.comm, 5)
+    measured = {"alone": alone, "all ranks": together}
     if ctx.rank != 0:
         return 0
 

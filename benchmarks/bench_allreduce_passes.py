@@ -46,10 +46,9 @@ def main() -> int:
     import mpilab
     import torch
     from mpi4py import MPI
-    from mpilab.rank.bench import memcpy_bandwidth
+    from mpilab.rank.bench import memcpy_figures
     from mpilab.rank.collectives import private_comm
     from mpilab.rank.fast_allreduce import plan_for
-    from mpilab.rank.waiting import wait_interruptibly
     from mpilab.wire import parse_sizes
 
     ctx = mpilab.init()
@@ -62,16 +61,9 @@ def main() -> int:
         return 1
     engine = route.node
     load = os.getloadavg()[0]
-    # the figure on rank 0 while the others wait without spinning, then the same copy on
-    # every rank at once (the slowest rank's): three times each, alternating, medians
-    alone, together = [], []
-    for _ in range(3):
-        if ctx.rank == 0:
-            alone.append(memcpy_bandwidth())
-        wait_interruptibly(comm.Ibarrier())
-        comm.Barrier()
-        together.append(comm.allreduce(memcpy_bandwidth(), op=MPI.MIN))
-    figure = comm.bcast(statistics.median(alone) if ctx.rank == 0 else None)
+    # the memory-copy figure alone and on every rank at once, three times each, medians
+    alone, together = memcpy_figures(comm, 3)
+    figure = statistics.median(alone)
     if ctx.rank == 0:
         print(f"{n} ranks; load average {load:.1f}; memory-copy figure {figure:.2f} GB/s "
               f"(the same copy on every rank at once: {statistics.median(together):.2f} "

@@ -61,6 +61,24 @@ def memcpy_bandwidth(size: int = MEMCPY_BYTES, repeats: int = 5) -> float:
     return copy_bandwidth(max(size, MEMCPY_BYTES), repeats)
 
 
+def memcpy_figures(comm, rounds: int) -> tuple[list[float], list[float]]:
+    """The memory-copy figure measured `rounds` times on rank 0 alone, while the other
+    ranks wait without spinning, and as many times the same copy on every rank at once
+    (the slowest rank's), alternating: the host's memory bandwidth drifts, at times 2x
+    for seconds. Collective; both lists on every rank."""
+    from .waiting import wait_interruptibly
+
+    alone, together = [], []
+    for _ in range(rounds):
+        if comm.rank == 0:
+            alone.append(memcpy_bandwidth())
+        wait_interruptibly(comm.Ibarrier())
+        comm.Barrier()
+        together.append(min(comm.allgather(memcpy_bandwidth())))
+        wait_interruptibly(comm.Ibarrier())
+    return comm.bcast(alone), together
+
+
 def copy_bandwidth(size: int, repeats: int = 10) -> float:
     """This core's copy rate in GB/s for `size`-byte buffers: above the last-level cache
     the DRAM rate, below it the cache's (faster)."""
