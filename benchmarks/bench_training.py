@@ -15,27 +15,34 @@ for two models: ``mlp`` (a wide MLP of ~6.3M parameters and a small batch: commu
 heavy) and ``cnn`` (a small CNN on 32x32 images: compute heavy). Every process gets
 cores / N torch threads, as mpilab's bootstrap gives its ranks.
 
+All five are started together, warmed up, and then take turns: a round gives every way
+one block (one untimed step, then ``--steps`` timed ones) while the others wait, blocked
+on a socket (no CPU); the order turns each round. Blocks of the ways compared sit seconds
+apart, so a change in the machine's speed over a run (this one's cores drift by 10-30%
+from minute to minute) hits them alike, and no figure includes a process's start.
+
     python benchmarks/bench_training.py                       # both models, ~2 minutes
     python benchmarks/bench_training.py --model mlp --steps 50
 
 Figures on a shared machine are noisy: run it alone, compare within one run only, and
-use ``--repeats 3`` or more (interleaved runs, the median kept) where other work
-shares the cores.
+use ``--repeats 5`` or more (rounds; the median block of each way kept).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-MARK = "@@bench@@ "
 BIN = Path(sys.executable).parent
 WAYS = ("mpilab-mpi", "mpilab-torch", "torchrun-ddp", "single", "independent")
 
@@ -73,43 +80,22 @@ def build(cfg: BenchConfig):
     return model, x, torch.randint(0, 10, (cfg.batch,))
 
 
-def train(model, x, y, cfg: BenchConfig, barrier, group: FileGroup | None = None,
-          step_times: list[float] | None = None) -> float:
-    """Seconds for cfg.steps SGD steps after cfg.warmup (slowest rank's view).
+class Turns:
+    """A launched process's line to the benchmark: it waits here, blocked on a socket, while
+    other ways take their turn, and reports each block it trains."""
 
-    With a `group` (independent processes): the steps are timed from when every process
-    of the group has warmed up, and a process done with them goes on training until
-    every other one is done too, so each is timed while all cores are busy; each timed
-    step's seconds go to `step_times`."""
-    import torch
+    def __init__(self, way: str, index: int):
+        host, port = os.environ["MPILAB_BENCH_TURNS"].rsplit(":", 1)
+        self.sock = socket.create_connection((host, int(port)))
+        self.lines = self.sock.makefile("r")
+        self.sock.sendall((json.dumps({"way": way, "index": index}) + "\n").encode())
 
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    loss_fn = torch.nn.CrossEntropyLoss()
+    def wait(self) -> bool:
+        """Blocks until this process's next turn: True to train a block, False to stop."""
+        return self.lines.readline().strip() == "go"
 
-    def step() -> None:
-        opt.zero_grad()
-        loss_fn(model(x), y).backward()
-        opt.step()
-
-    for _ in range(cfg.warmup):
-        step()
-    if group is not None:
-        group.meet("warm")
-    barrier()
-    start = time.perf_counter()
-    for _ in range(cfg.steps):
-        before = time.perf_counter()
-        step()
-        if step_times is not None:
-            step_times.append(time.perf_counter() - before)
-    if group is not None:
-        elapsed = time.perf_counter() - start
-        group.arrive("done")
-        while not group.all_arrived("done"):
-            step()
-        return elapsed
-    barrier()
-    return time.perf_counter() - start
+    def report(self, result: dict) -> None:
+        self.sock.sendall((json.dumps(result) + "\n").encode())
 
 
 class FileGroup:
@@ -132,102 +118,210 @@ class FileGroup:
             time.sleep(0.001)
 
 
-def worker(way: str, cfg: BenchConfig) -> None:
-    """Runs inside each launched process; rank 0 prints the result line."""
+def train(model, x, y, cfg: BenchConfig, barrier, turns: Callable[[], Turns],
+          group: FileGroup | None = None) -> None:
+    """cfg.warmup steps, then (connected through `turns()`) one block of cfg.steps timed
+    steps at each turn; the block's seconds (between two barriers: the slowest rank's) and
+    each step's are reported.
+
+    With a `group` (independent processes): a block's steps are timed from when every
+    process of the group is ready, and a process done with them goes on training until
+    every other one is done too, so each is timed while all cores are busy."""
     import torch
 
-    step_times: list[float] = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def step() -> None:
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+
+    for _ in range(cfg.warmup):
+        step()
+    line = turns()
+    block = 0
+    while line.wait():
+        block += 1
+        step()  # untimed: caches and pages back after the other ways' turns
+        if group is not None:
+            group.meet(f"ready{block}")
+        barrier()
+        step_times = []
+        start = time.perf_counter()
+        for _ in range(cfg.steps):
+            before = time.perf_counter()
+            step()
+            step_times.append(time.perf_counter() - before)
+        if group is not None:
+            elapsed = time.perf_counter() - start
+            group.arrive(f"done{block}")
+            while not group.all_arrived(f"done{block}"):
+                step()
+        else:
+            barrier()
+            elapsed = time.perf_counter() - start
+        line.report({"elapsed": elapsed, "steps_s": step_times})
+
+
+def worker(way: str, cfg: BenchConfig) -> None:
+    """Runs inside each launched process."""
+    import torch
+
+    barrier, group = (lambda: None), None
     if way.startswith("mpilab"):
         import mpilab
 
         ctx = mpilab.init()
-        rank, world = ctx.rank, ctx.world_size
+        rank = ctx.rank
         model, x, y = build(cfg)
         model = mpilab.DataParallel(model, backend=way.split("-")[1], bucket_mb=cfg.bucket_mb)
-        elapsed = train(model, x, y, cfg, ctx.comm.Barrier)
+        barrier = ctx.comm.Barrier
     elif way == "torchrun-ddp":
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo")
-        rank, world = dist.get_rank(), dist.get_world_size()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        rank = dist.get_rank()
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
         model, x, y = build(cfg)
         model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-        elapsed = train(model, x, y, cfg, dist.barrier)
-        dist.destroy_process_group()
+        barrier = dist.barrier
     else:  # single, independent: one process on its own
-        rank, world = 0, 1
+        rank = int(os.environ.get("MPILAB_BENCH_INDEX", "0"))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
         model, x, y = build(cfg)
         spec = os.environ.get("MPILAB_BENCH_GROUP")
-        elapsed = train(model, x, y, cfg, lambda: None, FileGroup(spec) if spec else None,
-                        step_times)
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        print(MARK + json.dumps({"way": way, "samples_s": cfg.steps * cfg.batch * world / elapsed,
-                                 "step_ms": 1000 * elapsed / cfg.steps, "params": params,
-                                 "steps_s": step_times}),
-              flush=True)
+        group = FileGroup(spec) if spec else None
+    train(model, x, y, cfg, barrier, lambda: Turns(way, rank), group)
+    if way == "torchrun-ddp":
+        torch.distributed.destroy_process_group()
 
 
-def launch(way: str, cfg: BenchConfig) -> dict:
-    """Start `way` as its own processes and return rank 0's result."""
-    args = [sys.executable, __file__, "--worker", way, "--config", json.dumps(asdict(cfg))]
-    env = dict(os.environ)
-    if way.startswith("mpilab"):
-        cmd = [str(BIN / "mpiexec"), "-n", str(cfg.ranks), *args]
-    elif way == "torchrun-ddp":
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cfg.ranks}", *args[1:]]
+@dataclass
+class Way:
+    """One way's launched processes and, once they have connected, their sockets."""
+
+    name: str
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    expected: int
+    lines: dict[int, tuple[socket.socket, object]] = field(default_factory=dict)
+
+    def failure(self) -> str | None:
+        for proc, log in zip(self.procs, self.logs):
+            if proc.poll() not in (None, 0):
+                return f"{self.name} failed ({proc.returncode}):\n{log.read_text()[-3000:]}"
+        return None
+
+
+def launch(name: str, cfg: BenchConfig, folder: Path, env: dict) -> Way:
+    """Start `name`'s processes; each connects back to the benchmark when warmed up."""
+    args = [sys.executable, __file__, "--worker", name, "--config", json.dumps(asdict(cfg))]
+    env = dict(env)
+    if name.startswith("mpilab"):
+        cmds = [[str(BIN / "mpiexec"), "-n", str(cfg.ranks), *args]]
+    elif name == "torchrun-ddp":
+        cmds = [[str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cfg.ranks}",
+                 *args[1:]]]
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.ranks))
-    elif way == "independent":
-        return _independent(args, cfg, env)
+    elif name == "independent":
+        env["MPILAB_BENCH_GROUP"] = f"{folder / name},{cfg.ranks}"
+        (folder / name).mkdir()
+        cmds = [args] * cfg.ranks
     else:
-        cmd = args
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    return _result(way, proc.returncode, proc.stdout, proc.stderr)
+        cmds = [args]
+    procs, logs = [], []
+    for i, cmd in enumerate(cmds):
+        logs.append(folder / f"{name}.{i}.log")
+        with logs[-1].open("w") as log:
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                          env={**env, "MPILAB_BENCH_INDEX": str(i)}))
+    expected = 1 if name == "single" else cfg.ranks
+    return Way(name, procs, logs, expected)
 
 
-def _result(way: str, returncode: int, stdout: str, stderr: str) -> dict:
-    for line in stdout.splitlines():
-        if line.startswith(MARK):
-            return json.loads(line[len(MARK):])
-    raise RuntimeError(f"{way} failed ({returncode}):\n{stderr[-3000:]}")
+def connect(server: socket.socket, ways: dict[str, Way], timeout: float = 600) -> None:
+    """Accept every launched process's connection (it connects once warmed up)."""
+    server.settimeout(1.0)
+    deadline = time.monotonic() + timeout
+    while any(len(w.lines) < w.expected for w in ways.values()):
+        for w in ways.values():
+            if (why := w.failure()) is not None:
+                raise RuntimeError(why)
+        if time.monotonic() > deadline:
+            raise RuntimeError("the launched processes did not all connect in time")
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        lines = conn.makefile("r")
+        hello = json.loads(lines.readline())
+        ways[hello["way"]].lines[hello["index"]] = (conn, lines)
 
 
-def _independent(args: list[str], cfg: BenchConfig, env: dict) -> dict:
-    """cfg.ranks single processes started together, each timing its own steps while all
-    are busy (FileGroup); their samples/s added up."""
-    with tempfile.TemporaryDirectory(prefix="mpilab-bench-") as folder:
-        env = {**env, "MPILAB_BENCH_GROUP": f"{folder},{cfg.ranks}"}
-        procs = [subprocess.Popen([*args[:3], "single", *args[4:]], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env)
-                 for _ in range(cfg.ranks)]
-        results = []
-        for proc in procs:
-            stdout, stderr = proc.communicate(timeout=600)
-            results.append(_result("independent", proc.returncode, stdout, stderr))
-    total = sum(r["samples_s"] for r in results)
+def turn(way: Way, cfg: BenchConfig) -> dict:
+    """One block of `way`: samples/s (an independent group's summed), ms a step, and
+    for the independent group the throughput of its steps paired as if synchronised."""
+    for conn, _ in way.lines.values():
+        conn.sendall(b"go\n")
+    got = {i: json.loads(lines.readline() or "null") for i, (_, lines) in way.lines.items()}
+    if None in got.values():
+        raise RuntimeError(way.failure() or f"{way.name} closed its connection")
+    if way.name != "independent":
+        elapsed = got[0]["elapsed"]  # rank 0's
+        world = 1 if way.name == "single" else cfg.ranks
+        return {"samples_s": cfg.steps * cfg.batch * world / elapsed,
+                "step_ms": 1000 * elapsed / cfg.steps}
     # the same steps as if each had waited for the slowest, step by step: what their own
     # ups and downs would cost synchronous training, with no communication at all
-    paired = sum(max(steps) for steps in zip(*(r["steps_s"] for r in results)))
-    return {"way": "independent", "samples_s": total,
-            "step_ms": max(r["step_ms"] for r in results), "params": results[0]["params"],
+    paired = sum(max(steps) for steps in zip(*(r["steps_s"] for r in got.values())))
+    return {"samples_s": sum(cfg.steps * cfg.batch / r["elapsed"] for r in got.values()),
+            "step_ms": 1000 * max(r["elapsed"] for r in got.values()) / cfg.steps,
             "paired_samples_s": cfg.steps * cfg.batch * cfg.ranks / paired}
+
+
+def run_rounds(cfg: BenchConfig, repeats: int) -> list[dict[str, dict]]:
+    """Every way started and warmed up at once, then `repeats` rounds of one block each,
+    the order turned every round; one {way: block result} a round."""
+    with tempfile.TemporaryDirectory(prefix="mpilab-bench-") as tmp, \
+            socket.create_server(("127.0.0.1", 0)) as server:
+        env = {**os.environ, "MPILAB_BENCH_TURNS": f"127.0.0.1:{server.getsockname()[1]}"}
+        ways: dict[str, Way] = {}
+        try:
+            for name in WAYS:
+                ways[name] = launch(name, cfg, Path(tmp), env)
+            connect(server, ways)
+            orders = [WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)] for i in range(repeats)]
+            return [{name: turn(ways[name], cfg) for name in order} for order in orders]
+        finally:
+            for w in ways.values():
+                for conn, _ in w.lines.values():
+                    with contextlib.suppress(OSError):
+                        conn.sendall(b"stop\n")
+                        conn.close()
+            for w in ways.values():
+                for proc in w.procs:
+                    try:
+                        proc.wait(timeout=60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="timed steps a block")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--mlp-batch", type=int, default=16, help="per rank")
     parser.add_argument("--cnn-batch", type=int, default=32, help="per rank")
     parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--repeats", type=int, default=1,
-                        help="run every way this often, interleaved, and keep the median")
+                        help="rounds: one block of every way each, the median block kept")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     a = parser.parse_args()
@@ -235,19 +329,16 @@ def main() -> None:
         worker(a.worker, BenchConfig(**json.loads(a.config)))
         return
     models = ["mlp", "cnn"] if a.model == "both" else [a.model]
-    print(f"{a.ranks} ranks, {os.cpu_count()} cores, {a.steps} timed steps after {a.warmup}, "
-          f"median of {a.repeats}")
-    print(f"{'model':6} {'way':14} {'params':>10} {'samples/s':>11} {'ms/step':>9}")
+    print(f"{a.ranks} ranks, {os.cpu_count()} cores, blocks of {a.steps} timed steps "
+          f"after {a.warmup}, median of {a.repeats} rounds")
+    print(f"{'model':6} {'way':14} {'samples/s':>11} {'ms/step':>9}")
     for name in models:
         batch = a.mlp_batch if name == "mlp" else a.cnn_batch
         cfg = BenchConfig(name, a.ranks, batch, a.steps, a.warmup, a.width, a.bucket_mb)
-        # rotate the order each round, so a burst of outside load hits every way alike
-        rounds = [WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)] for i in range(a.repeats)]
-        runs = [{way: launch(way, cfg) for way in order} for order in rounds]
+        runs = run_rounds(cfg, a.repeats)
         got = {way: _median_run([r[way] for r in runs]) for way in WAYS}
         for way, r in got.items():
-            print(f"{name:6} {way:14} {r['params']:>10,} {r['samples_s']:>11.1f} "
-                  f"{r['step_ms']:>9.1f}")
+            print(f"{name:6} {way:14} {r['samples_s']:>11.1f} {r['step_ms']:>9.1f}")
         mpi, tch, ddp, one, apart = (got[w]["samples_s"] for w in WAYS)
         print(f"{name:6} mpilab-mpi / torchrun-ddp = {mpi / ddp:.2f}x   "
               f"mpilab-torch / torchrun-ddp = {tch / ddp:.2f}x   "
@@ -257,14 +348,16 @@ def main() -> None:
               f"their steps paired as if synchronised: "
               f"{100 * got['independent']['paired_samples_s'] / (a.ranks * one):.0f}%; "
               f"mpilab-mpi of the independent: {100 * mpi / apart:.0f}%)")
-        per_round = [r["mpilab-mpi"]["samples_s"] / r["torchrun-ddp"]["samples_s"]
-                     for r in runs]
-        print(f"{name:6} mpilab-mpi / torchrun-ddp in each round: "
-              + ", ".join(f"{x:.2f}x" for x in per_round))
+        lead = [r["mpilab-mpi"]["samples_s"] / r["torchrun-ddp"]["samples_s"] for r in runs]
+        scaling = [r["mpilab-mpi"]["samples_s"] / (a.ranks * r["single"]["samples_s"])
+                   for r in runs]
+        print(f"{name:6} in each round: mpilab-mpi / torchrun-ddp "
+              + ", ".join(f"{x:.2f}x" for x in lead)
+              + "; scaling " + ", ".join(f"{100 * x:.0f}%" for x in scaling))
 
 
 def _median_run(runs: list[dict]) -> dict:
-    """The run with the median samples/s (the lower middle one of an even count)."""
+    """The block with the median samples/s (the lower middle one of an even count)."""
     ordered = sorted(runs, key=lambda r: r["samples_s"])
     return ordered[(len(ordered) - 1) // 2]
 
