@@ -34,6 +34,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_start.py --reps 3
 	$(BIN)/python benchmarks/bench_first_cell.py --reps 3
 	$(BIN)/python benchmarks/bench_training.py --steps 20 --repeats 5
+	$(BIN)/python benchmarks/bench_training.py --one-job --steps 20 --repeats 9
 	$(BIN)/python benchmarks/bench_allreduce.py --repeats 30
 	$(BIN)/python benchmarks/bench_pieces.py
 	$(BIN)/python benchmarks/bench_allreduce_passes.py

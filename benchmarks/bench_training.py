@@ -23,6 +23,11 @@ from minute to minute) hits them alike, and no figure includes a process's start
 
     python benchmarks/bench_training.py                       # both models, ~2 minutes
     python benchmarks/bench_training.py --model mlp --steps 50
+    python benchmarks/bench_training.py --one-job --repeats 9  # the step alone
+
+``--one-job`` times the step alone instead: the plain model, mpilab.DataParallel and DDP
+in turn in the same ranks of one ``mpiexec`` job, so that what differs between them is
+the wrapper, not the processes or the minute.
 
 Figures on a shared machine are noisy: run it alone, compare within one run only, and
 use ``--repeats 5`` or more (rounds; the median block of each way kept).
@@ -35,6 +40,7 @@ import contextlib
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+ONE_JOB = "@@one-job@@ "
 WAYS = ("mpilab-mpi", "mpilab-torch", "torchrun-ddp", "single", "independent")
 
 
@@ -118,15 +125,8 @@ class FileGroup:
             time.sleep(0.001)
 
 
-def train(model, x, y, cfg: BenchConfig, barrier, turns: Callable[[], Turns],
-          group: FileGroup | None = None) -> None:
-    """cfg.warmup steps, then (connected through `turns()`) one block of cfg.steps timed
-    steps at each turn; the block's seconds (between two barriers: the slowest rank's) and
-    each step's are reported.
-
-    With a `group` (independent processes): a block's steps are timed from when every
-    process of the group is ready, and a process done with them goes on training until
-    every other one is done too, so each is timed while all cores are busy."""
+def stepper(model, x, y) -> Callable[[], None]:
+    """One SGD step of `model` on the batch (x, y), as a function."""
     import torch
 
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -137,6 +137,19 @@ def train(model, x, y, cfg: BenchConfig, barrier, turns: Callable[[], Turns],
         loss_fn(model(x), y).backward()
         opt.step()
 
+    return step
+
+
+def train(model, x, y, cfg: BenchConfig, barrier, turns: Callable[[], Turns],
+          group: FileGroup | None = None) -> None:
+    """cfg.warmup steps, then (connected through `turns()`) one block of cfg.steps timed
+    steps at each turn; the block's seconds (between two barriers: the slowest rank's) and
+    each step's are reported.
+
+    With a `group` (independent processes): a block's steps are timed from when every
+    process of the group is ready, and a process done with them goes on training until
+    every other one is done too, so each is timed while all cores are busy."""
+    step = stepper(model, x, y)
     for _ in range(cfg.warmup):
         step()
     line = turns()
@@ -196,6 +209,57 @@ def worker(way: str, cfg: BenchConfig) -> None:
     train(model, x, y, cfg, barrier, lambda: Turns(way, rank), group)
     if way == "torchrun-ddp":
         torch.distributed.destroy_process_group()
+
+
+def one_job(cfg: BenchConfig, rounds: int) -> None:
+    """Runs in each rank of one ``mpiexec`` job: the plain model, mpilab.DataParallel and
+    DDP (on the torch group mpilab.init sets up), each its own copy, a block of cfg.steps
+    steps each in turn; rank 0 prints every block's seconds a step. The same processes,
+    threads and seconds for all three: what remains is what each wrapper costs a step,
+    the wait for the slower rank included."""
+    import mpilab
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    ctx = mpilab.init()
+    if not dist.is_initialized():
+        raise SystemExit("bench_training: mpilab.init() set up no torch.distributed group")
+    wraps = {"plain": lambda m: m,
+             "mpilab-mpi": lambda m: mpilab.DataParallel(m, backend="mpi",
+                                                         bucket_mb=cfg.bucket_mb),
+             "ddp": lambda m: DistributedDataParallel(m, bucket_cap_mb=cfg.bucket_mb)}
+    steps = {}
+    for name, wrap in wraps.items():
+        model, x, y = build(cfg)
+        steps[name] = stepper(wrap(model), x, y)
+        for _ in range(cfg.warmup):
+            steps[name]()
+    names = list(wraps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            steps[name]()  # untimed: caches back after the other blocks
+            ctx.comm.Barrier()
+            start = time.perf_counter()
+            for _ in range(cfg.steps):
+                steps[name]()
+            ctx.comm.Barrier()
+            times[name].append((time.perf_counter() - start) / cfg.steps)
+    if ctx.rank == 0:
+        print(ONE_JOB + json.dumps(times), flush=True)
+
+
+def run_one_job(cfg: BenchConfig, rounds: int) -> dict[str, list[float]]:
+    """`one_job` under ``mpiexec -n cfg.ranks``: {wrapper: seconds a step, each block}."""
+    cmd = [str(BIN / "mpiexec"), "-n", str(cfg.ranks), sys.executable, __file__,
+           "--worker", "one-job", "--config", json.dumps(asdict(cfg)),
+           "--repeats", str(rounds)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    for line in proc.stdout.splitlines():
+        if line.startswith(ONE_JOB):
+            return json.loads(line[len(ONE_JOB):])
+    raise RuntimeError(f"the one-job run failed ({proc.returncode}):\n"
+                       f"{(proc.stdout + proc.stderr)[-3000:]}")
 
 
 @dataclass
@@ -322,13 +386,33 @@ def main() -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds: one block of every way each, the median block kept")
+    parser.add_argument("--one-job", action="store_true",
+                        help="instead: the plain model, mpilab.DataParallel and DDP in turn "
+                             "in the same ranks of one mpiexec job")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", help=argparse.SUPPRESS)
     a = parser.parse_args()
+    if a.worker == "one-job":
+        one_job(BenchConfig(**json.loads(a.config)), a.repeats)
+        return
     if a.worker:
         worker(a.worker, BenchConfig(**json.loads(a.config)))
         return
     models = ["mlp", "cnn"] if a.model == "both" else [a.model]
+    if a.one_job:
+        print(f"{a.ranks} ranks in one mpiexec job, {os.cpu_count()} cores, blocks of "
+              f"{a.steps} steps in turn, median of {a.repeats} rounds")
+        for name in models:
+            batch = a.mlp_batch if name == "mlp" else a.cnn_batch
+            cfg = BenchConfig(name, a.ranks, batch, a.steps, a.warmup, a.width, a.bucket_mb)
+            times = run_one_job(cfg, a.repeats)
+            plain = statistics.median(times["plain"])
+            print(f"{name:6} plain {1000 * plain:.1f} ms a step; "
+                  + "; ".join(f"{w} {100 * (statistics.median(times[w]) / plain - 1):+.1f}%"
+                              for w in ("mpilab-mpi", "ddp"))
+                  + "; mpilab-mpi / ddp, seconds a step in each round: "
+                  + ", ".join(f"{m / d:.2f}" for m, d in zip(times["mpilab-mpi"], times["ddp"])))
+        return
     print(f"{a.ranks} ranks, {os.cpu_count()} cores, blocks of {a.steps} timed steps "
           f"after {a.warmup}, median of {a.repeats} rounds")
     print(f"{'model':6} {'way':14} {'samples/s':>11} {'ms/step':>9}")
