@@ -365,13 +365,24 @@ def run_rounds(cfg: BenchConfig, repeats: int) -> list[dict[str, dict]]:
                     with contextlib.suppress(OSError):
                         conn.sendall(b"stop\n")
                         conn.close()
+            server.close()  # a process not yet taken in finds the door shut, and ends
             for w in ways.values():
                 for proc in w.procs:
-                    try:
-                        proc.wait(timeout=60)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                        proc.wait()
+                    _end(proc)
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """Wait for a launched process to end; stop it if it does not (SIGTERM first, which
+    mpiexec and torchrun pass on to their ranks)."""
+    for stop in (None, proc.terminate, proc.kill):
+        if stop is not None:
+            stop()
+        try:
+            proc.wait(timeout=60 if stop is None else 10)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
 
 
 def main() -> None:
@@ -447,4 +458,7 @@ def _median_run(runs: list[dict]) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except RuntimeError as e:  # a way failed: its own output says why
+        sys.exit(f"bench_training: {e}")
