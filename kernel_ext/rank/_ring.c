@@ -18,7 +18,9 @@
  *
  * Memory order: a rank's slot writes, then its signature, then its flag (a release store);
  * a waiter reads the flag (an acquire load), then the signature and the slots. That is
- * correct on every architecture, so no MPI call is needed as a fence.
+ * correct on every architecture, so no MPI call is needed as a fence. Slot writes that
+ * bypass the caches (stream_bytes) end with their own fence, which a release store does
+ * not give them.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -35,6 +37,11 @@
 
 #define RING 4                     /* signatures kept per rank, by epoch */
 #define CACHE_LINE 64
+/* A broadcast's root writes its slot around its caches from this size, so the receivers
+ * read the lines from memory rather than out of the root core's cache: on this project's
+ * 2-vCPU VMs the cache-to-cache reads ran up to ten times slower in some launches than
+ * in others, the streamed ones at one steady rate (docs/performance.md). */
+#define BROADCAST_STREAM_BYTES (8 << 10)
 #define SPIN_NS 10000LL            /* pure polling first */
 #define YIELD_NS 5000000LL         /* then yield the core for up to this */
 #define MAX_SLEEP_NS 1000000LL     /* then sleep at most this at a time */
@@ -254,6 +261,8 @@ static int check_piece(Ring *self, Py_ssize_t nbytes)
     return 0;
 }
 
+static void stream_bytes(char *dst, const char *src, Py_ssize_t n);
+
 /* -- the one-piece collectives ---------------------------------------------------------- */
 static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -278,7 +287,10 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
     int status = settle(self);
     if (status == 0) {
         if (self->me == root) {
-            memcpy(slot, buf, nbytes);
+            if (nbytes >= BROADCAST_STREAM_BYTES)
+                stream_bytes(slot, buf, nbytes);  /* fenced: visible before the flag */
+            else
+                memcpy(slot, buf, nbytes);
             status = wait_arrivals(self, arrive(self));
         } else {
             long long e = arrive(self);

@@ -33,9 +33,9 @@ KiB between two cores is well under a microsecond of copying and cache-line hand
 in Python its flag reads, epoch bumps and NumPy calls would cost ~2 µs more. The larger ones
 are driven from here, chunk by chunk, and use the ring's arrive / barrier / wait_root /
 settle between their chunks: one protocol for both. Their copies are NumPy's, but for
-the copies into a destination as large as the cache (`stream_copy`, which bypasses
-it) and an allreduce's reduction, which publishes as it reduces (`reduce_publish`);
-all of them release the GIL.
+the copies into a destination as large as the cache and a broadcast root's copies of up
+to 1 MiB into its slots (`stream_copy`, which bypasses the caches), and an allreduce's
+reduction, which publishes as it reduces (`reduce_publish`); all of them release the GIL.
 
 Waiting spins ~10 µs, then yields the core for up to 5 ms (releasing the GIL, running
 Python's signal handlers), then sleeps up to 1 ms at a time, checking for an abort
@@ -67,6 +67,12 @@ CACHE_LINE = 64
 # A broadcast is cut into at least 4 chunks of at least this (at most chunk_bytes), so
 # the receivers copy one chunk out while the root copies the next one in.
 BROADCAST_PIECE_BYTES = 256 << 10
+# A broadcast's root writes its pieces around its caches up to this size (the one-piece
+# broadcast in _ring.c does from 8 KiB): the receivers then read them from memory, not out
+# of the root core's cache, which ran up to ten times slower in some launches on this
+# project's VMs; from 512 KiB to 1 MiB streamed pieces measured faster in every launch,
+# at 4 MiB slower where the cache-to-cache reads ran well (docs/performance.md).
+BROADCAST_ROOT_STREAM_MAX = 1 << 20
 # ... and a broadcast as large as the last-level cache (it streams from memory) into
 # pieces of this, which measured faster there; below the cache's size 2 MiB pieces are
 # faster (benchmarks/bench_pieces.py).
@@ -447,13 +453,14 @@ class ShmEngine:
         count = min(step, arr.size)
         views, ring = self._views(dt, count), self._ring
         copy_out = stream_copy if arr.nbytes >= self._stream_bytes else np.copyto
+        copy_in = stream_copy if arr.nbytes <= BROADCAST_ROOT_STREAM_MAX else np.copyto
         ring.sig = sig = signature("broadcast", arr.nbytes, root)
         for start in range(0, arr.size, step):
             chunk = arr[start : start + step] if count < arr.size else arr
             slot = views[self._next_parity()][root][: chunk.size]
             ring.settle()
             if self.rank == root:
-                np.copyto(slot, chunk)
+                copy_in(slot, chunk)
                 ring.wait_arrivals(ring.arrive())
             else:
                 epoch = ring.arrive()

@@ -50,14 +50,15 @@ def main(ctx: Any, report: Any) -> None:
     gc.collect()
     out["dropped"] = len(collectives._plans) == before
 
-    # broadcast and allgather: small, several chunks (odd sizes), every kind of dtype
+    # broadcast and allgather: small; one piece whose root writes around its caches (from
+    # 8 KiB; odd tails); several chunks (odd sizes); every kind of dtype
     def pattern(count, dtype, rank):
         values = (torch.arange(count, dtype=torch.int64) * 7 + rank * 13) % 120
         return values.to(dtype)
 
     bad = []
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.bool, torch.float64):
-        for count in (1, 3, 1000, (5 << 20) // 4 + 3):
+        for count in (1, 3, 1000, 4099, 60001, (5 << 20) // 4 + 3):
             for root in range(n):
                 x = pattern(count, dtype, r)
                 mpilab.broadcast(x, root=root)
