@@ -140,6 +140,33 @@ def stepper(model, x, y) -> Callable[[], None]:
     return step
 
 
+def wrap(kind: str, model, cfg: BenchConfig):
+    """`model` as a way trains it: "plain", "mpilab-mpi" / "mpilab-torch"
+    (mpilab.DataParallel over that backend) or "ddp" (DistributedDataParallel on torch's
+    default group)."""
+    if kind.startswith("mpilab-"):
+        import mpilab
+
+        return mpilab.DataParallel(model, backend=kind.split("-")[1], bucket_mb=cfg.bucket_mb)
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
+    return model
+
+
+def threads(cfg: BenchConfig) -> int:
+    """Torch threads for each process of every way: cores / ranks, as mpilab's bootstrap
+    gives its ranks."""
+    return max(1, (os.cpu_count() or 1) // cfg.ranks)
+
+
+def turned(names: tuple[str, ...] | list[str], i: int) -> list[str]:
+    """`names` in the order of round `i`: turned by one each round, so each takes every
+    place (a burst of outside load then hits them alike)."""
+    return [*names[i % len(names):], *names[:i % len(names)]]
+
+
 def train(model, x, y, cfg: BenchConfig, barrier, turns: Callable[[], Turns],
           group: FileGroup | None = None) -> None:
     """cfg.warmup steps, then (connected through `turns()`) one block of cfg.steps timed
@@ -185,28 +212,24 @@ def worker(way: str, cfg: BenchConfig) -> None:
     if way.startswith("mpilab"):
         import mpilab
 
-        ctx = mpilab.init()
-        rank = ctx.rank
-        model, x, y = build(cfg)
-        model = mpilab.DataParallel(model, backend=way.split("-")[1], bucket_mb=cfg.bucket_mb)
-        barrier = ctx.comm.Barrier
+        ctx = mpilab.init()  # its bootstrap sets the threads
+        rank, barrier = ctx.rank, ctx.comm.Barrier
+        kind = way
     elif way == "torchrun-ddp":
         import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel
 
         dist.init_process_group("gloo")
-        rank = dist.get_rank()
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
-        model, x, y = build(cfg)
-        model = DistributedDataParallel(model, bucket_cap_mb=cfg.bucket_mb)
-        barrier = dist.barrier
+        rank, barrier = dist.get_rank(), dist.barrier
+        torch.set_num_threads(threads(cfg))
+        kind = "ddp"
     else:  # single, independent: one process on its own
         rank = int(os.environ.get("MPILAB_BENCH_INDEX", "0"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.ranks))
-        model, x, y = build(cfg)
+        torch.set_num_threads(threads(cfg))
         spec = os.environ.get("MPILAB_BENCH_GROUP")
         group = FileGroup(spec) if spec else None
-    train(model, x, y, cfg, barrier, lambda: Turns(way, rank), group)
+        kind = "plain"
+    model, x, y = build(cfg)
+    train(wrap(kind, model, cfg), x, y, cfg, barrier, lambda: Turns(way, rank), group)
     if way == "torchrun-ddp":
         torch.distributed.destroy_process_group()
 
@@ -219,25 +242,20 @@ def one_job(cfg: BenchConfig, rounds: int) -> None:
     the wait for the slower rank included."""
     import mpilab
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
 
     ctx = mpilab.init()
     if not dist.is_initialized():
         raise SystemExit("bench_training: mpilab.init() set up no torch.distributed group")
-    wraps = {"plain": lambda m: m,
-             "mpilab-mpi": lambda m: mpilab.DataParallel(m, backend="mpi",
-                                                         bucket_mb=cfg.bucket_mb),
-             "ddp": lambda m: DistributedDataParallel(m, bucket_cap_mb=cfg.bucket_mb)}
+    names = ("plain", "mpilab-mpi", "ddp")
     steps = {}
-    for name, wrap in wraps.items():
+    for name in names:
         model, x, y = build(cfg)
-        steps[name] = stepper(wrap(model), x, y)
+        steps[name] = stepper(wrap(name, model, cfg), x, y)
         for _ in range(cfg.warmup):
             steps[name]()
-    names = list(wraps)
     times: dict[str, list[float]] = {name: [] for name in names}
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in turned(names, r):
             steps[name]()  # untimed: caches back after the other blocks
             ctx.comm.Barrier()
             start = time.perf_counter()
@@ -288,7 +306,7 @@ def launch(name: str, cfg: BenchConfig, folder: Path, env: dict) -> Way:
     elif name == "torchrun-ddp":
         cmds = [[str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={cfg.ranks}",
                  *args[1:]]]
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cfg.ranks))
+        env["OMP_NUM_THREADS"] = str(threads(cfg))
     elif name == "independent":
         env["MPILAB_BENCH_GROUP"] = f"{folder / name},{cfg.ranks}"
         (folder / name).mkdir()
@@ -357,8 +375,8 @@ def run_rounds(cfg: BenchConfig, repeats: int) -> list[dict[str, dict]]:
             for name in WAYS:
                 ways[name] = launch(name, cfg, Path(tmp), env)
             connect(server, ways)
-            orders = [WAYS[i % len(WAYS):] + WAYS[:i % len(WAYS)] for i in range(repeats)]
-            return [{name: turn(ways[name], cfg) for name in order} for order in orders]
+            return [{name: turn(ways[name], cfg) for name in turned(WAYS, i)}
+                    for i in range(repeats)]
         finally:
             for w in ways.values():
                 for conn, _ in w.lines.values():
