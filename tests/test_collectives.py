@@ -96,6 +96,7 @@ def test_a_tensor_reduced_again_keeps_its_plan_and_follows_its_changes(plans: li
 def test_broadcast_and_allgather_over_shared_memory_every_size_and_dtype(plans: list) -> None:
     for got in plans:
         assert got["bad"] == []
+        assert got["read_peers"]  # large broadcasts may read the root's memory here
         assert got["scalar"] == [0.0, 1.0]
         assert got["out"] == [[True, True], [1.0, 2.0]]
         assert got["out_strided"] == [0.0, 1.0]

@@ -30,9 +30,11 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <emmintrin.h>
 #endif
+#include <errno.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <time.h>
 
 #define RING 4                     /* signatures kept per rank, by epoch */
@@ -42,6 +44,25 @@
  * 2-vCPU VMs the cache-to-cache reads ran up to ten times slower in some launches than
  * in others, the streamed ones at one steady rate (docs/performance.md). */
 #define BROADCAST_STREAM_BYTES (8 << 10)
+/* ... up to this size: above it, streamed pieces measured slower than cached ones where
+ * the cache-to-cache reads ran well (at 4 MiB), and the message no longer fits the
+ * receivers' caches either way. */
+#define BROADCAST_ROOT_STREAM_MAX (1 << 20)
+/* A broadcast's copies release the GIL from this size on. */
+#define BROADCAST_RELEASE_BYTES (64 << 10)
+/* Above BROADCAST_ROOT_STREAM_MAX a broadcast goes one of two ways, whichever the root
+ * last measured faster at that size (to a power of two): pipelined through its slots, or
+ * read by each receiver straight out of the root's buffer (process_vm_readv: one copy,
+ * and the root's cache never hands the receivers a line it has just written). On this
+ * project's VMs the first ran 1.3-1.8x faster than the second for seconds at a time and
+ * five to ten times slower for others (docs/performance.md). The way not chosen is tried
+ * again at most this often, so a change of regime is seen within about a second. */
+#define RETRY_OTHER_WAY_NS 1000000000LL
+enum { WAY_PIPELINED = 0, WAY_READ = 1 };
+/* A broadcast's root announces its way and its buffer's address in the rest of its flag's
+ * line: int64 slots FLAG_WAY and FLAG_ADDRESS after the flag and the signatures. */
+#define FLAG_WAY (1 + RING)
+#define FLAG_ADDRESS (2 + RING)
 #define SPIN_NS 10000LL            /* pure polling first */
 #define YIELD_NS 5000000LL         /* then yield the core for up to this */
 #define MAX_SLEEP_NS 1000000LL     /* then sleep at most this at a time */
@@ -71,6 +92,10 @@ typedef struct {
     Py_ssize_t slot_bytes;
     long long epoch, use, owed, owed_sig, sig;
     int broken;
+    pid_t *pids;                  /* each rank's pid, NULL where ranks cannot read peers */
+    int broadcast_way;            /* -1: measured (the root's choice); else always that way */
+    double way_rate[64][2];       /* the root's last rate per way, by log2 of the bytes */
+    long long way_tried[64][2];   /* and when it last went that way */
     PyThread_type_lock lock;
     PyObject *check_abort, *mismatched, *refuse, *keep;
 } Ring;
@@ -263,48 +288,181 @@ static int check_piece(Ring *self, Py_ssize_t nbytes)
 
 static void stream_bytes(char *dst, const char *src, Py_ssize_t n);
 
-/* -- the one-piece collectives ---------------------------------------------------------- */
+/* -- the broadcast ------------------------------------------------------------------- */
+/* Copy n bytes, around the caches where `streamed`; without the GIL from a size at which
+ * the copy takes longer than handing the GIL over (the agent's threads run meanwhile). */
+static void copy_piece(char *dst, const char *src, Py_ssize_t n, int streamed)
+{
+    if (n < BROADCAST_RELEASE_BYTES) {
+        if (streamed)
+            stream_bytes(dst, src, n);  /* fenced: visible before the flag */
+        else
+            memcpy(dst, src, n);
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    if (streamed)
+        stream_bytes(dst, src, n);
+    else
+        memcpy(dst, src, n);
+    Py_END_ALLOW_THREADS
+}
+
+/* Read n bytes at `remote` in process pid into `dst` (one copy, by the kernel); -1 with
+ * OSError set if it cannot. */
+static int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
+{
+    int err = 0;
+    Py_BEGIN_ALLOW_THREADS
+    while (n > 0) {
+        struct iovec local = {dst, (size_t)n}, far = {(void *)remote, (size_t)n};
+        ssize_t got = process_vm_readv(pid, &local, 1, &far, 1, 0);
+        if (got <= 0) {
+            err = got < 0 ? errno : EIO;
+            break;
+        }
+        dst += got, remote += (uintptr_t)got, n -= got;
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    return 0;
+}
+
+static inline int log2_bucket(Py_ssize_t n)
+{
+    return 63 - __builtin_clzll((unsigned long long)n);
+}
+
+/* Whether a broadcast may go either way: above BROADCAST_ROOT_STREAM_MAX, where the ranks
+ * can read each other, and in more than one piece, so that a receiver has read the root's
+ * way before the root can finish (it waits for the receivers' arrival at the second
+ * piece, or after their read) and announce the next broadcast's. Every rank computes it
+ * the same from the same arguments. */
+static inline int two_ways(Ring *self, Py_ssize_t nbytes, Py_ssize_t piece)
+{
+    return self->pids != NULL && nbytes > BROADCAST_ROOT_STREAM_MAX && piece < nbytes;
+}
+
+/* The root's way for a broadcast that may go either way: the faster by its last
+ * measurement, or the other one where that was last tried RETRY_OTHER_WAY_NS ago (each
+ * is tried once first). */
+static int choose_way(Ring *self, Py_ssize_t nbytes, long long now)
+{
+    if (self->broadcast_way >= 0)
+        return self->broadcast_way;
+    int b = log2_bucket(nbytes);
+    double *rate = self->way_rate[b];
+    int best = rate[WAY_READ] > rate[WAY_PIPELINED] ? WAY_READ : WAY_PIPELINED;
+    int other = 1 - best;
+    return now - self->way_tried[b][other] > RETRY_OTHER_WAY_NS ? other : best;
+}
+
+/* The root's measurement of a way: bytes per ns from when every receiver was there. */
+static void record_way(Ring *self, Py_ssize_t nbytes, int way, Py_ssize_t bytes, long long since)
+{
+    long long now = now_ns();
+    int b = log2_bucket(nbytes);
+    double rate = (double)bytes / (double)(now - since + 1), *last = &self->way_rate[b][way];
+    *last = *last > 0 ? (*last + rate) / 2 : rate;
+    self->way_tried[b][way] = now;
+}
+
+/* broadcast(buffer, nbytes, root[, piece, stream_out]): the root's bytes into every
+ * rank's buffer.
+ *
+ * Pipelined (up to BROADCAST_ROOT_STREAM_MAX always): in pieces of `piece` bytes (at most
+ * a slot; the whole message, one piece, without it), the receivers' copies around the
+ * caches where `stream_out`. Piece k goes through the root's slot of the next parity:
+ * the root copies it in and arrives, then waits for the receivers' arrivals at that
+ * epoch (they make them as they start on it, so the root copies piece k+1 in while they
+ * copy piece k out); a receiver arrives, waits for the root alone, copies out, and owes
+ * the rest of the barrier (settled at the next piece or collective: shm.py's docstring).
+ *
+ * Read: the root announces its buffer with its arrival and waits for the receivers'
+ * next arrival; each receiver reads the buffer out of the root's memory, then arrives
+ * and owes the rest of that barrier.
+ *
+ * The root's first arrival carries its way (FLAG_WAY), so every rank goes the same. */
 static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    Py_ssize_t nbytes;
-    int root;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "broadcast(buffer, nbytes, root)");
+    if (nargs != 3 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "broadcast(buffer, nbytes, root[, piece, stream_out])");
         return NULL;
     }
-    nbytes = PyLong_AsSsize_t(args[1]);
-    root = (int)PyLong_AsLong(args[2]);
-    if (PyErr_Occurred() || check_piece(self, nbytes) < 0)
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    int root = (int)PyLong_AsLong(args[2]);
+    Py_ssize_t piece = nargs == 5 ? PyLong_AsSsize_t(args[3]) : nbytes;
+    int stream_out = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (PyErr_Occurred() || stream_out < 0 || check_piece(self, piece) < 0)
         return NULL;
+    if (nbytes < 0 || (piece <= 0 && nbytes > 0))
+        return PyErr_Format(PyExc_ValueError, "%zd bytes in pieces of %zd", nbytes, piece);
     if (root < 0 || root >= self->n)
         return PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, self->n);
     char *buf = address(args[0], nbytes, 1);
     if (buf == NULL || enter(self) < 0)
         return NULL;
     long long sig = signature(K_BROADCAST, nbytes, root);
+    int stream_in = nbytes >= BROADCAST_STREAM_BYTES && nbytes <= BROADCAST_ROOT_STREAM_MAX;
+    int i_am_root = self->me == root, way = WAY_PIPELINED, status = 0;
+    int either = two_ways(self, nbytes, piece);
+    int64_t *root_line = self->flags[root];
+    long long since = 0;
     self->sig = sig;
-    char *slot = self->slots[2 * root + (++self->use & 1)];
-    int status = settle(self);
-    if (status == 0) {
-        if (self->me == root) {
-            if (nbytes >= BROADCAST_STREAM_BYTES)
-                stream_bytes(slot, buf, nbytes);  /* fenced: visible before the flag */
-            else
-                memcpy(slot, buf, nbytes);
-            status = wait_arrivals(self, arrive(self));
+    Py_ssize_t done = 0;
+    do {
+        Py_ssize_t n = nbytes - done < piece ? nbytes - done : piece;
+        char *slot = self->slots[2 * root + (++self->use & 1)];
+        if ((status = settle(self)) < 0)
+            break;
+        if (i_am_root) {
+            if (done == 0 && either) {
+                way = choose_way(self, nbytes, now_ns());
+                root_line[FLAG_WAY] = way;
+                root_line[FLAG_ADDRESS] = (int64_t)(uintptr_t)buf;
+            }
+            if (way == WAY_PIPELINED)
+                copy_piece(slot, buf + done, n, stream_in);
+            if ((status = wait_arrivals(self, arrive(self))) < 0)
+                break;
+            if (done == 0)
+                since = now_ns();
+            if (way == WAY_READ) {
+                status = barrier(self);
+                done = nbytes;
+                break;
+            }
         } else {
             long long e = arrive(self);
-            status = wait_root(self, root, e);
-            if (status == 0) {
-                memcpy(buf, slot, nbytes);
-                self->owed = e;
+            if ((status = wait_root(self, root, e)) < 0)
+                break;
+            if (done == 0 && either)
+                way = (int)root_line[FLAG_WAY];
+            if (way == WAY_READ) {
+                if ((status = read_peer(self->pids[root], buf,
+                                        (uintptr_t)root_line[FLAG_ADDRESS], nbytes)) < 0)
+                    break;
+                self->owed = arrive(self);
                 self->owed_sig = sig;
+                done = nbytes;
+                break;
             }
+            copy_piece(buf + done, slot, n, stream_out);
+            self->owed = e;
+            self->owed_sig = sig;
         }
-    }
+        done += n;
+    } while (done < nbytes);
+    if (status == 0 && i_am_root && either)
+        record_way(self, nbytes, way, way == WAY_READ ? nbytes : nbytes - piece, since);
     return leave(self, status);
 }
 
+/* -- the one-piece collectives ---------------------------------------------------------- */
 static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 3) {
@@ -482,7 +640,8 @@ static PyObject *Ring_exit(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef Ring_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))Ring_broadcast, METH_FASTCALL,
-     "broadcast(buffer, nbytes, root): root's bytes into every rank's buffer (one piece)"},
+     "broadcast(buffer, nbytes, root[, piece, stream_out]): root's bytes into every rank's "
+     "buffer, in pieces (one without `piece`)"},
     {"allgather", (PyCFunction)(void (*)(void))Ring_allgather, METH_FASTCALL,
      "allgather(send, nbytes, recv): every rank's send, in rank order, into recv"},
     {"allreduce", (PyCFunction)(void (*)(void))Ring_allreduce, METH_FASTCALL,
@@ -507,24 +666,28 @@ static PyMemberDef Ring_members[] = {
     {"owed_sig", T_LONGLONG, offsetof(Ring, owed_sig), 0, "the signature it arrived with"},
     {"sig", T_LONGLONG, offsetof(Ring, sig), 0, "the signature of the collective in progress"},
     {"broken", T_INT, offsetof(Ring, broken), 0, "a collective stopped half-way"},
+    {"broadcast_way", T_INT, offsetof(Ring, broadcast_way), 0,
+     "a large broadcast's way, as its root picks it: -1 by measurement, 0 pipelined through "
+     "the slots, 1 read out of the root's memory"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
 {
     static char *kw[] = {"segments", "me", "slot_bytes", "check_abort", "mismatched",
-                         "refuse", "keep", NULL};
-    PyObject *segments, *keep;
+                         "refuse", "keep", "pids", NULL};
+    PyObject *segments, *keep, *pids = Py_None;
     Py_ssize_t slot_bytes;
     int me;
     if (self->flags != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "a ring is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinOOOO", kw, &segments, &me, &slot_bytes,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinOOOO|O", kw, &segments, &me, &slot_bytes,
                                      &self->check_abort, &self->mismatched, &self->refuse,
-                                     &keep))
+                                     &keep, &pids))
         return -1;
+    self->broadcast_way = -1;
     Py_INCREF(self->check_abort);
     Py_INCREF(self->mismatched);
     Py_INCREF(self->refuse);
@@ -560,6 +723,26 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
         self->slots[2 * r + 1] = base + CACHE_LINE + slot_bytes;
     }
     Py_DECREF(seq);
+    if (pids != Py_None) {
+        PyObject *ps = PySequence_Fast(pids, "pids: a list of process ids, or None");
+        if (ps == NULL)
+            return -1;
+        if (PySequence_Fast_GET_SIZE(ps) != n) {
+            Py_DECREF(ps);
+            PyErr_SetString(PyExc_ValueError, "pids: one per segment");
+            return -1;
+        }
+        self->pids = PyMem_Calloc(n, sizeof(pid_t));
+        for (Py_ssize_t r = 0; self->pids != NULL && r < n; r++)
+            self->pids[r] = (pid_t)PyLong_AsLong(PySequence_Fast_GET_ITEM(ps, r));
+        Py_DECREF(ps);
+        if (self->pids == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        if (PyErr_Occurred())
+            return -1;
+    }
     self->lock = PyThread_allocate_lock();
     if (self->lock == NULL) {
         PyErr_NoMemory();
@@ -574,6 +757,7 @@ static void Ring_dealloc(Ring *self)
         PyThread_free_lock(self->lock);
     PyMem_Free(self->flags);
     PyMem_Free(self->slots);
+    PyMem_Free(self->pids);
     Py_XDECREF(self->check_abort);
     Py_XDECREF(self->mismatched);
     Py_XDECREF(self->refuse);
@@ -585,10 +769,12 @@ static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "mpilab.rank._ring.Ring",
     .tp_doc = PyDoc_STR(
-        "Ring(segments, me, slot_bytes, check_abort, mismatched, refuse, keep): the flag\n"
-        "protocol over every rank's segment (addresses: a 64-byte line of flag and\n"
-        "signatures, then two slots of slot_bytes), and the collectives of one piece.\n"
-        "keep: what owns the segments' memory, kept alive with the ring."),
+        "Ring(segments, me, slot_bytes, check_abort, mismatched, refuse, keep, pids=None):\n"
+        "the flag protocol over every rank's segment (addresses: a 64-byte line of flag,\n"
+        "signatures and a broadcast's way and address, then two slots of slot_bytes), the\n"
+        "collectives of one piece and the broadcast. keep: what owns the segments' memory,\n"
+        "kept alive with the ring. pids: each rank's process id where every rank can read\n"
+        "the others' memory (read_peer), which large broadcasts may then do."),
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -703,7 +889,26 @@ static PyObject *module_reduce_publish(PyObject *m, PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* read_peer(pid, address, nbytes): nbytes at address in process pid, as bytes. */
+static PyObject *module_read_peer(PyObject *m, PyObject *args)
+{
+    int pid;
+    unsigned long long remote;
+    Py_ssize_t n;
+    if (!PyArg_ParseTuple(args, "iKn", &pid, &remote, &n))
+        return NULL;
+    if (n < 0)
+        return PyErr_Format(PyExc_ValueError, "%zd bytes", n);
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out != NULL && read_peer((pid_t)pid, PyBytes_AS_STRING(out), (uintptr_t)remote, n) < 0)
+        Py_CLEAR(out);
+    return out;
+}
+
 static PyMethodDef module_methods[] = {
+    {"read_peer", module_read_peer, METH_VARARGS,
+     "read_peer(pid, address, nbytes): the bytes at address in process pid (OSError where "
+     "this process may not read it)"},
     {"stream_copy", (PyCFunction)(void (*)(void))module_stream_copy, METH_FASTCALL,
      "stream_copy(dst, src): src's bytes into dst (same length), with stores that bypass "
      "the caches where the CPU has them"},

@@ -26,16 +26,18 @@ arrived at the same epoch in a different collective does not complete against it
 would give wrong data and no error): it waits, as MPI's own collectives would, until the
 notebook's watchdog names the mismatch from the heartbeats and releases the ranks.
 
-The protocol and the collectives that fit in one piece are C (``_ring.Ring``, which
-holds the synchronisation state: epoch, slot parity, what a broadcast owes, the
-collective in progress, broken) and the collectives' signatures. A collective of a few
-KiB between two cores is well under a microsecond of copying and cache-line hand-offs;
-in Python its flag reads, epoch bumps and NumPy calls would cost ~2 µs more. The larger ones
-are driven from here, chunk by chunk, and use the ring's arrive / barrier / wait_root /
-settle between their chunks: one protocol for both. Their copies are NumPy's, but for
-the copies into a destination as large as the cache and a broadcast root's copies of up
-to 1 MiB into its slots (`stream_copy`, which bypasses the caches), and an allreduce's
-reduction, which publishes as it reduces (`reduce_publish`); all of them release the GIL.
+The protocol, the collectives that fit in one piece and the broadcast of any size are C
+(``_ring.Ring``, which holds the synchronisation state: epoch, slot parity, what a
+broadcast owes, the collective in progress, broken) and the collectives' signatures. A
+collective of a few KiB between two cores is well under a microsecond of copying and
+cache-line hand-offs; in Python its flag reads, epoch bumps and NumPy calls would cost
+~2 µs more, and a broadcast, which does nothing between its copies but wait, would pay
+that for every piece. The larger allreduce and allgather are driven from here, chunk by
+chunk, and use the ring's arrive / barrier / wait_root / settle between their chunks: one
+protocol for all. Their copies are NumPy's, but for the copies into a destination as
+large as the cache (`stream_copy`, which bypasses the caches, as a broadcast's root does
+into its slots from 8 KiB to 1 MiB) and an allreduce's reduction, which publishes as it
+reduces (`reduce_publish`); all of them release the GIL.
 
 Waiting spins ~10 µs, then yields the core for up to 5 ms (releasing the GIL, running
 Python's signal handlers), then sleeps up to 1 ms at a time, checking for an abort
@@ -60,19 +62,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._ring import ELEMENT_TYPES, KINDS, Ring, reduce_publish, signature, stream_copy
+from ._ring import ELEMENT_TYPES, KINDS, Ring, read_peer, reduce_publish, signature, stream_copy
 from .waiting import check_abort
 
 CACHE_LINE = 64
 # A broadcast is cut into at least 4 chunks of at least this (at most chunk_bytes), so
 # the receivers copy one chunk out while the root copies the next one in.
 BROADCAST_PIECE_BYTES = 256 << 10
-# A broadcast's root writes its pieces around its caches up to this size (the one-piece
-# broadcast in _ring.c does from 8 KiB): the receivers then read them from memory, not out
-# of the root core's cache, which ran up to ten times slower in some launches on this
-# project's VMs; from 512 KiB to 1 MiB streamed pieces measured faster in every launch,
-# at 4 MiB slower where the cache-to-cache reads ran well (docs/performance.md).
-BROADCAST_ROOT_STREAM_MAX = 1 << 20
 # ... and a broadcast as large as the last-level cache (it streams from memory) into
 # pieces of this, which measured faster there; below the cache's size 2 MiB pieces are
 # faster (benchmarks/bench_pieces.py).
@@ -144,6 +140,25 @@ def _reducer(op: str, dtype: np.dtype) -> Callable[[np.ndarray, tuple, np.ndarra
     return reduce_then_copy
 
 
+def _readable_peers(node_comm) -> list[int] | None:
+    """Every node rank's pid, where each rank can read every other's memory
+    (process_vm_readv: the same user, no policy against it, one pid namespace); else None.
+    Collective on `node_comm`: each rank reads a random token of every other rank's, so a
+    pid that names another process here (another namespace) does not pass."""
+    from mpi4py import MPI
+
+    token = np.frombuffer(os.urandom(16), np.uint8).copy()
+    peers = node_comm.allgather((os.getpid(), int(token.ctypes.data), token.tobytes()))
+    me = node_comm.Get_rank()
+    try:
+        readable = all(read_peer(pid, address, len(data)) == data
+                       for r, (pid, address, data) in enumerate(peers) if r != me)
+    except OSError:
+        readable = False
+    readable = node_comm.allreduce(readable, op=MPI.LAND)
+    return [pid for pid, _, _ in peers] if readable else None
+
+
 class ShmBroken(RuntimeError):
     """An earlier collective on this window stopped half-way; the ranks are out of step."""
 
@@ -192,8 +207,11 @@ class ShmEngine:
             body = raw[CACHE_LINE:]
             self._slots.append((body[: self.chunk_bytes], body[self.chunk_bytes :]))
         segments[self.rank][:CACHE_LINE] = 0
+        # whether every rank may read the others' memory (large broadcasts then may)
+        self.pids = _readable_peers(node_comm)
         self._ring = Ring([int(raw.ctypes.data) for raw in segments], self.rank,
-                          self.chunk_bytes, check_abort, _mismatched, self._refuse, segments)
+                          self.chunk_bytes, check_abort, _mismatched, self._refuse, segments,
+                          self.pids)
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
         # seconds spent in each pass of the chunked allreduce ("copy in", "reduce",
         # "copy out", "barrier"), summed, while a caller sets it to a dict: where a large
@@ -435,38 +453,19 @@ class ShmEngine:
         copy_out(len(phases) - 1)
 
     def broadcast(self, arr: np.ndarray, root: int = 0) -> None:
-        """Broadcast 1-D contiguous `arr` from node rank `root`, pipelined by chunk: the
-        root copies chunk j in (parity j) while the receivers copy chunk j-1 out; the
-        receivers wait for the root alone, the root for nobody (see the module's
-        docstring). One piece goes through the ring whole."""
-        if arr.nbytes <= self._broadcast_piece:
-            self._ring.broadcast(arr, arr.nbytes, root)
+        """Broadcast 1-D contiguous `arr` from node rank `root`, in C, pipelined by piece:
+        the root copies piece j in while the receivers copy piece j-1 out; the receivers
+        wait for the root alone, the root for nobody (see the module's docstring). Up to
+        BROADCAST_PIECE_BYTES it is one piece."""
+        nbytes = arr.nbytes
+        if nbytes <= self._broadcast_piece:
+            self._ring.broadcast(arr, nbytes, root)
             return
-        self._run(self._broadcast, arr, root)
-
-    def _broadcast(self, arr: np.ndarray, root: int) -> None:
-        dt = arr.dtype
-        piece = min(self.chunk_bytes, max(BROADCAST_PIECE_BYTES, arr.nbytes // 4))
-        if arr.nbytes >= self._cache_bytes:
+        piece = min(self.chunk_bytes, max(BROADCAST_PIECE_BYTES, nbytes // 4))
+        if nbytes >= self._cache_bytes:
             piece = min(piece, self._streaming_piece)
-        step = piece // CACHE_LINE * CACHE_LINE // dt.itemsize
-        count = min(step, arr.size)
-        views, ring = self._views(dt, count), self._ring
-        copy_out = stream_copy if arr.nbytes >= self._stream_bytes else np.copyto
-        copy_in = stream_copy if arr.nbytes <= BROADCAST_ROOT_STREAM_MAX else np.copyto
-        ring.sig = sig = signature("broadcast", arr.nbytes, root)
-        for start in range(0, arr.size, step):
-            chunk = arr[start : start + step] if count < arr.size else arr
-            slot = views[self._next_parity()][root][: chunk.size]
-            ring.settle()
-            if self.rank == root:
-                copy_in(slot, chunk)
-                ring.wait_arrivals(ring.arrive())
-            else:
-                epoch = ring.arrive()
-                ring.wait_root(root, epoch)
-                copy_out(chunk, slot)
-                ring.owed, ring.owed_sig = epoch, sig
+        piece -= piece % CACHE_LINE
+        self._ring.broadcast(arr, nbytes, root, piece, nbytes >= self._stream_bytes)
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Every node rank's 1-D contiguous `send` into `recv`, in node-rank order

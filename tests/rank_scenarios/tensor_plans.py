@@ -77,6 +77,20 @@ def main(ctx: Any, report: Any) -> None:
             mpilab.broadcast(x, root=root)
             if not torch.equal(x, pattern(count, torch.float32, root)):
                 bad.append(f"broadcast float32 {count} root {root}")
+    # above 1 MiB a broadcast goes through the root's slots or is read out of the root's
+    # memory, as the root measures faster: each way forced, and the measured choice over
+    # a run of calls (odd sizes, every root)
+    out["read_peers"] = engine is not None and engine.pids is not None
+    if engine is not None:
+        for way in (0, 1, -1):
+            engine._ring.broadcast_way = way
+            for count, dtype in ((((5 << 20) + 6) // 2, torch.bfloat16),
+                                 ((3 << 20) // 4 + 1, torch.float32)):
+                for root in [q for q in range(n) for _ in range(3)]:
+                    x = pattern(count, dtype, r)
+                    mpilab.broadcast(x, root=root)
+                    if not torch.equal(x, pattern(count, dtype, root)):
+                        bad.append(f"broadcast way {way} {dtype} {count} root {root}")
     out["bad"] = bad
     out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
     # into a buffer: reused, returned; a transposed one is filled too; a wrong one is named
