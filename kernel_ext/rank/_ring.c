@@ -48,8 +48,8 @@
  * the cache-to-cache reads ran well (at 4 MiB), and the message no longer fits the
  * receivers' caches either way. */
 #define BROADCAST_ROOT_STREAM_MAX (1 << 20)
-/* A broadcast's copies release the GIL from this size on. */
-#define BROADCAST_RELEASE_BYTES (64 << 10)
+/* A broadcast's or an allgather's copies release the GIL from this size on. */
+#define RELEASE_BYTES (64 << 10)
 /* Above BROADCAST_ROOT_STREAM_MAX a broadcast goes one of two ways, whichever the root
  * last measured faster at that size (to a power of two): pipelined through its slots, or
  * read by each receiver straight out of the root's buffer (process_vm_readv: one copy,
@@ -84,6 +84,14 @@ static inline long long signature(int kind, Py_ssize_t nbytes, int root)
     return kind | (long long)root << 8 | (long long)nbytes << 24;
 }
 
+/* What the rank that decides a large collective's way (a broadcast's root, an
+ * allgather's rank 0) last measured of each way, by log2 of the bytes, and when. */
+typedef struct {
+    double rate[64][2];
+    long long tried[64][2];
+} Ways;
+enum { WAYS_BROADCAST = 0, WAYS_ALLGATHER = 1 };
+
 typedef struct {
     PyObject_HEAD
     int n, me;
@@ -93,9 +101,8 @@ typedef struct {
     long long epoch, use, owed, owed_sig, sig;
     int broken;
     pid_t *pids;                  /* each rank's pid, NULL where ranks cannot read peers */
-    int broadcast_way;            /* -1: measured (the root's choice); else always that way */
-    double way_rate[64][2];       /* the root's last rate per way, by log2 of the bytes */
-    long long way_tried[64][2];   /* and when it last went that way */
+    int way;                      /* a large collective's way: -1 measured, else that one */
+    Ways ways[2];                 /* what the deciding rank measured: broadcast, allgather */
     PyThread_type_lock lock;
     PyObject *check_abort, *mismatched, *refuse, *keep;
 } Ring;
@@ -288,23 +295,23 @@ static int check_piece(Ring *self, Py_ssize_t nbytes)
 
 static void stream_bytes(char *dst, const char *src, Py_ssize_t n);
 
-/* -- the broadcast ------------------------------------------------------------------- */
+/* -- the broadcast and the allgather ---------------------------------------------------- */
 /* Copy n bytes, around the caches where `streamed`; without the GIL from a size at which
  * the copy takes longer than handing the GIL over (the agent's threads run meanwhile). */
 static void copy_piece(char *dst, const char *src, Py_ssize_t n, int streamed)
 {
-    if (n < BROADCAST_RELEASE_BYTES) {
+    if (n < RELEASE_BYTES) {
         if (streamed)
             stream_bytes(dst, src, n);  /* fenced: visible before the flag */
         else
-            memcpy(dst, src, n);
+            memmove(dst, src, n);
         return;
     }
     Py_BEGIN_ALLOW_THREADS
     if (streamed)
         stream_bytes(dst, src, n);
     else
-        memcpy(dst, src, n);
+        memmove(dst, src, n);
     Py_END_ALLOW_THREADS
 }
 
@@ -347,28 +354,28 @@ static inline int two_ways(Ring *self, Py_ssize_t nbytes, Py_ssize_t piece)
     return self->pids != NULL && nbytes > BROADCAST_ROOT_STREAM_MAX && piece < nbytes;
 }
 
-/* The root's way for a broadcast that may go either way: the faster by its last
- * measurement, or the other one where that was last tried RETRY_OTHER_WAY_NS ago (each
- * is tried once first). */
-static int choose_way(Ring *self, Py_ssize_t nbytes, long long now)
+/* The way for a collective that may go either way: the faster by the last measurement,
+ * or the other one where that was last tried RETRY_OTHER_WAY_NS ago (each is tried once
+ * first); `way` where that is set. */
+static int choose_way(Ring *self, Ways *ways, Py_ssize_t nbytes)
 {
-    if (self->broadcast_way >= 0)
-        return self->broadcast_way;
+    if (self->way >= 0)
+        return self->way;
     int b = log2_bucket(nbytes);
-    double *rate = self->way_rate[b];
+    double *rate = ways->rate[b];
     int best = rate[WAY_READ] > rate[WAY_PIPELINED] ? WAY_READ : WAY_PIPELINED;
     int other = 1 - best;
-    return now - self->way_tried[b][other] > RETRY_OTHER_WAY_NS ? other : best;
+    return now_ns() - ways->tried[b][other] > RETRY_OTHER_WAY_NS ? other : best;
 }
 
-/* The root's measurement of a way: bytes per ns from when every receiver was there. */
-static void record_way(Ring *self, Py_ssize_t nbytes, int way, Py_ssize_t bytes, long long since)
+/* A measurement of a way: bytes per ns since every rank was there. */
+static void record_way(Ways *ways, Py_ssize_t nbytes, int way, Py_ssize_t bytes, long long since)
 {
     long long now = now_ns();
     int b = log2_bucket(nbytes);
-    double rate = (double)bytes / (double)(now - since + 1), *last = &self->way_rate[b][way];
+    double rate = (double)bytes / (double)(now - since + 1), *last = &ways->rate[b][way];
     *last = *last > 0 ? (*last + rate) / 2 : rate;
-    self->way_tried[b][way] = now;
+    ways->tried[b][way] = now;
 }
 
 /* broadcast(buffer, nbytes, root[, piece, stream_out]): the root's bytes into every
@@ -421,7 +428,7 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
             break;
         if (i_am_root) {
             if (done == 0 && either) {
-                way = choose_way(self, nbytes, now_ns());
+                way = choose_way(self, &self->ways[WAYS_BROADCAST], nbytes);
                 root_line[FLAG_WAY] = way;
                 root_line[FLAG_ADDRESS] = (int64_t)(uintptr_t)buf;
             }
@@ -458,20 +465,36 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
         done += n;
     } while (done < nbytes);
     if (status == 0 && i_am_root && either)
-        record_way(self, nbytes, way, way == WAY_READ ? nbytes : nbytes - piece, since);
+        record_way(&self->ways[WAYS_BROADCAST], nbytes, way,
+                   way == WAY_READ ? nbytes : nbytes - piece, since);
     return leave(self, status);
 }
 
 /* -- the one-piece collectives ---------------------------------------------------------- */
+/* allgather(send, nbytes, recv[, piece, stream_out]): every rank's nbytes of send into
+ * recv, in rank order; in pieces of `piece` (one piece, the whole, without it), the
+ * copies into recv around the caches where `stream_out`.
+ *
+ * Pipelined: phase k (between barriers) writes piece k of send into this rank's slot of
+ * the next parity while it copies piece k-1 out of the others' slots (the slot reuse rule
+ * of shm.py's docstring). Read, where the ranks can read each other and there is more
+ * than one piece: every rank copies the others' send buffers straight out of their
+ * memory, then waits until all have (a barrier: then every send may change again).
+ * Rank 0 decides the way, by its measurements as a broadcast's root does, and announces
+ * it in a first barrier in which every rank announces its send buffer. */
 static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "allgather(send, nbytes, recv)");
+    if (nargs != 3 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "allgather(send, nbytes, recv[, piece, stream_out])");
         return NULL;
     }
     Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
-    if (PyErr_Occurred() || check_piece(self, nbytes) < 0)
+    Py_ssize_t piece = nargs == 5 ? PyLong_AsSsize_t(args[3]) : nbytes;
+    int stream_out = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (PyErr_Occurred() || stream_out < 0 || check_piece(self, piece) < 0)
         return NULL;
+    if (nbytes < 0 || (piece <= 0 && nbytes > 0))
+        return PyErr_Format(PyExc_ValueError, "%zd bytes in pieces of %zd", nbytes, piece);
     char *send = address(args[0], nbytes, 0);
     if (send == NULL)
         return NULL;
@@ -479,17 +502,53 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
     if (recv == NULL || enter(self) < 0)
         return NULL;
     self->sig = signature(K_ALLGATHER, nbytes, 0);
-    int parity = ++self->use & 1, me = self->me;
-    int status = settle(self);
-    if (status == 0) {
-        memcpy(self->slots[2 * me + parity], send, nbytes);
-        memmove(recv + (Py_ssize_t)me * nbytes, send, nbytes);
+    int me = self->me, way = WAY_PIPELINED, status = settle(self);
+    int either = self->pids != NULL && piece < nbytes;
+    char *own = recv + (Py_ssize_t)me * nbytes;
+    long long since = 0;
+    if (status == 0 && either) {
+        int64_t *line = self->flags[me];
+        line[FLAG_ADDRESS] = (int64_t)(uintptr_t)send;
+        if (me == 0)
+            line[FLAG_WAY] = choose_way(self, &self->ways[WAYS_ALLGATHER], nbytes);
         status = barrier(self);
+        way = (int)self->flags[0][FLAG_WAY];
+        since = now_ns();
     }
-    if (status == 0)
-        for (int r = 0; r < self->n; r++)
+    if (status == 0 && way == WAY_READ) {
+        for (int r = 0; status == 0 && r < self->n; r++)
             if (r != me)
-                memcpy(recv + (Py_ssize_t)r * nbytes, self->slots[2 * r + parity], nbytes);
+                status = read_peer(self->pids[r], recv + (Py_ssize_t)r * nbytes,
+                                   (uintptr_t)self->flags[r][FLAG_ADDRESS], nbytes);
+        if (status == 0 && own != send)
+            copy_piece(own, send, nbytes, stream_out);
+        if (status == 0)
+            status = barrier(self);
+    } else if (status == 0) {
+        int parity = 0;
+        for (Py_ssize_t done = 0; status == 0 && done < nbytes; done += piece) {
+            Py_ssize_t n = nbytes - done < piece ? nbytes - done : piece;
+            if (done > 0)  /* the others' previous piece, out of the previous parity */
+                for (int r = 0; r < self->n; r++)
+                    if (r != me)
+                        copy_piece(recv + (Py_ssize_t)r * nbytes + done - piece,
+                                   self->slots[2 * r + parity], piece, stream_out);
+            parity = ++self->use & 1;
+            copy_piece(self->slots[2 * me + parity], send + done, n, 0);
+            if (own != send)
+                copy_piece(own + done, send + done, n, stream_out);
+            status = barrier(self);
+        }
+        if (status == 0) {  /* the others' last piece */
+            Py_ssize_t last = nbytes == 0 ? 0 : (nbytes - 1) / piece * piece;
+            for (int r = 0; r < self->n; r++)
+                if (r != me)
+                    copy_piece(recv + (Py_ssize_t)r * nbytes + last,
+                               self->slots[2 * r + parity], nbytes - last, stream_out);
+        }
+    }
+    if (status == 0 && either && me == 0)
+        record_way(&self->ways[WAYS_ALLGATHER], nbytes, way, nbytes, since);
     return leave(self, status);
 }
 
@@ -666,9 +725,9 @@ static PyMemberDef Ring_members[] = {
     {"owed_sig", T_LONGLONG, offsetof(Ring, owed_sig), 0, "the signature it arrived with"},
     {"sig", T_LONGLONG, offsetof(Ring, sig), 0, "the signature of the collective in progress"},
     {"broken", T_INT, offsetof(Ring, broken), 0, "a collective stopped half-way"},
-    {"broadcast_way", T_INT, offsetof(Ring, broadcast_way), 0,
-     "a large broadcast's way, as its root picks it: -1 by measurement, 0 pipelined through "
-     "the slots, 1 read out of the root's memory"},
+    {"way", T_INT, offsetof(Ring, way), 0,
+     "a large broadcast's or allgather's way, as the rank that decides picks it: -1 by "
+     "measurement, 0 pipelined through the slots, 1 read out of the other ranks' memory"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -687,7 +746,7 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
                                      &self->check_abort, &self->mismatched, &self->refuse,
                                      &keep, &pids))
         return -1;
-    self->broadcast_way = -1;
+    self->way = -1;
     Py_INCREF(self->check_abort);
     Py_INCREF(self->mismatched);
     Py_INCREF(self->refuse);

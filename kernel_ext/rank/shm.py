@@ -26,18 +26,23 @@ arrived at the same epoch in a different collective does not complete against it
 would give wrong data and no error): it waits, as MPI's own collectives would, until the
 notebook's watchdog names the mismatch from the heartbeats and releases the ranks.
 
-The protocol, the collectives that fit in one piece and the broadcast of any size are C
-(``_ring.Ring``, which holds the synchronisation state: epoch, slot parity, what a
-broadcast owes, the collective in progress, broken) and the collectives' signatures. A
-collective of a few KiB between two cores is well under a microsecond of copying and
-cache-line hand-offs; in Python its flag reads, epoch bumps and NumPy calls would cost
-~2 µs more, and a broadcast, which does nothing between its copies but wait, would pay
-that for every piece. The larger allreduce and allgather are driven from here, chunk by
-chunk, and use the ring's arrive / barrier / wait_root / settle between their chunks: one
-protocol for all. Their copies are NumPy's, but for the copies into a destination as
-large as the cache (`stream_copy`, which bypasses the caches, as a broadcast's root does
-into its slots from 8 KiB to 1 MiB) and an allreduce's reduction, which publishes as it
-reduces (`reduce_publish`); all of them release the GIL.
+The protocol, the collectives that fit in one piece, and the broadcast and the allgather
+of any size are C (``_ring.Ring``, which holds the synchronisation state: epoch, slot
+parity, what a broadcast owes, the collective in progress, broken) and the collectives'
+signatures. A collective of a few KiB between two cores is well under a microsecond of
+copying and cache-line hand-offs; in Python its flag reads, epoch bumps and NumPy calls
+would cost ~2 µs more, and a broadcast or an allgather, which does nothing between its
+copies but wait, would pay that for every piece. Above one piece (1 MiB for a
+broadcast) these two go one of two ways, whichever the deciding rank last measured
+faster: pipelined through the slots, or read straight out of the other ranks' memory
+(process_vm_readv, where `_readable_peers` finds the ranks may): on this project's VMs
+the slots' cache-to-cache hand-offs ran five to ten times slower for seconds at a time.
+The larger allreduce is driven from here, chunk by chunk, and uses the ring's arrive /
+barrier / wait_root / settle between its chunks: one protocol for all. Its copies are
+NumPy's, but for those into a destination as large as the cache (`stream_copy`, which
+bypasses the caches, as a broadcast's root does into its slots from 8 KiB to 1 MiB) and
+its reduction, which publishes as it reduces (`reduce_publish`); all of them release the
+GIL.
 
 Waiting spins ~10 µs, then yields the core for up to 5 ms (releasing the GIL, running
 Python's signal handlers), then sleeps up to 1 ms at a time, checking for an abort
@@ -469,46 +474,17 @@ class ShmEngine:
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
         """Every node rank's 1-D contiguous `send` into `recv`, in node-rank order
-        (recv.size = size × send.size, same dtype), pipelined by piece
-        (ALLGATHER_PIECE_BYTES).
-
-        Phase j: every rank writes piece j of its `send` into its own slot (parity j)
-        while it reads piece j-1 of the others' slots (parity j-1), so no slot is written
-        while another rank may read it (the rule of `_rsag`). One piece goes through the
-        ring whole.
-        """
-        if send.nbytes <= self._allgather_piece:
-            if send.nbytes:
-                self._ring.allgather(send, send.nbytes, recv)
+        (recv.size = size × send.size, same dtype), in C: pipelined by piece
+        (ALLGATHER_PIECE_BYTES), a rank writing its piece j into its slot while it reads
+        the others' piece j-1, or, above one piece, read straight out of the others'
+        memory where rank 0 measured that faster (the ring's `allgather`)."""
+        nbytes = send.nbytes
+        if nbytes <= self._allgather_piece:
+            if nbytes:
+                self._ring.allgather(send, nbytes, recv)
             return
-        self._run(self._allgather, send, recv)
-
-    def _allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
-        m, me, ring = send.size, self.rank, self._ring
-        step = self._allgather_piece // send.dtype.itemsize
-        others = self._other_ranks
-        ring.sig = signature("allgather", send.nbytes)
-        ring.settle()
-        typed = self._typed_slots(send.dtype)
-        starts = list(range(0, m, step))
-        parities = [self._next_parity() for _ in starts]
-
-        out = stream_copy if recv.nbytes >= self._stream_bytes else np.copyto
-
-        def copy_out(k: int) -> None:
-            s = starts[k]
-            c = min(step, m - s)
-            for r in others:
-                out(recv[r * m + s : r * m + s + c], typed[r][parities[k]][:c])
-
-        for j, s in enumerate(starts):
-            if j > 0:
-                copy_out(j - 1)
-            chunk = send[s : s + step]
-            np.copyto(typed[me][parities[j]][: chunk.size], chunk)
-            out(recv[me * m + s : me * m + s + chunk.size], chunk)
-            ring.barrier()
-        copy_out(len(starts) - 1)
+        self._ring.allgather(send, nbytes, recv, self._allgather_piece,
+                             recv.nbytes >= self._stream_bytes)
 
     def sync(self) -> None:
         """A barrier of the node's ranks (one flag each; interruptible like the rest)."""

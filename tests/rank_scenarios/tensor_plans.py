@@ -77,13 +77,13 @@ def main(ctx: Any, report: Any) -> None:
             mpilab.broadcast(x, root=root)
             if not torch.equal(x, pattern(count, torch.float32, root)):
                 bad.append(f"broadcast float32 {count} root {root}")
-    # above 1 MiB a broadcast goes through the root's slots or is read out of the root's
-    # memory, as the root measures faster: each way forced, and the measured choice over
-    # a run of calls (odd sizes, every root)
+    # above one piece a broadcast and an allgather go through the slots or read the other
+    # ranks' memory, as the deciding rank measures faster: each way forced, and the
+    # measured choice over a run of calls (odd sizes, every root)
     out["read_peers"] = engine is not None and engine.pids is not None
     if engine is not None:
         for way in (0, 1, -1):
-            engine._ring.broadcast_way = way
+            engine._ring.way = way
             for count, dtype in ((((5 << 20) + 6) // 2, torch.bfloat16),
                                  ((3 << 20) // 4 + 1, torch.float32)):
                 for root in [q for q in range(n) for _ in range(3)]:
@@ -91,6 +91,10 @@ def main(ctx: Any, report: Any) -> None:
                     mpilab.broadcast(x, root=root)
                     if not torch.equal(x, pattern(count, dtype, root)):
                         bad.append(f"broadcast way {way} {dtype} {count} root {root}")
+                want = torch.stack([pattern(count, dtype, q) for q in range(n)])
+                for _ in range(3):
+                    if not torch.equal(mpilab.allgather(pattern(count, dtype, r)), want):
+                        bad.append(f"allgather way {way} {dtype} {count}")
     out["bad"] = bad
     out["scalar"] = mpilab.allgather(torch.tensor(float(r))).tolist()
     # into a buffer: reused, returned; a transposed one is filled too; a wrong one is named
