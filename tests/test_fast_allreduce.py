@@ -86,6 +86,28 @@ engine.pass_times = None
 check(16 * MiB + 1, np.float32, "sum")
 check(8 * MiB + 1, np.float64, "max")
 
+# From 1 MiB an allreduce goes through the slots or reads the other ranks' buffers,
+# whichever rank 0 measured faster: each way forced (pieces of a slice, a short last
+# one), NaN kept, every rank the same bits.
+engine = fa.plan_for(comm).node
+read_peers = engine.pids is not None
+way_digests = []
+for way in (0, 1):
+    engine._ring.way = way
+    for dt in (np.float32, np.float64, np.float16, np.int32, np.int8):
+        for op in ("sum", "max", "min"):
+            check(5 * MiB // np.dtype(dt).itemsize + 7, dt, op)
+    for op in ("max", "min"):
+        x = data(r, 3 * MiB // 4 + 7, np.float32)
+        x[5 + 7 * r] = np.nan
+        fa.allreduce_inplace(x, op, comm)
+        if list(np.flatnonzero(np.isnan(x))) != [5 + 7 * q for q in range(n)]:
+            failures.append(f"way {way} {op}: NaN at {list(np.flatnonzero(np.isnan(x))[:8])}")
+    x = np.random.default_rng(r).standard_normal(600_001).astype(np.float32)
+    fa.allreduce_inplace(x, "sum", comm)
+    way_digests.append(len(set(comm.allgather(hashlib.sha1(x.tobytes()).hexdigest()))))
+engine._ring.way = -1
+
 # Every rank holds identical bits even when summation order would matter.
 rng = np.random.default_rng(r)
 x = rng.standard_normal(300_001).astype(np.float32)
@@ -118,7 +140,7 @@ freed_ok = y[0] == n * (n + 1) / 2
 
 report_in_turn({"failures": failures, "path": fa.plan_for(comm).path,
         "identical": len(set(digests)) == 1, "errors": errors, "freed_ok": bool(freed_ok),
-        "passes": passes})
+        "passes": passes, "read_peers": read_peers, "way_digests": way_digests})
 """
 
 
@@ -133,6 +155,8 @@ def test_shared_memory_path_every_dtype_op_and_size(n):
         assert res["freed_ok"]
         assert res["passes"] == {"copy in": True, "reduce": True, "copy out": True,
                                  "barrier": True}
+        assert res["read_peers"]  # the read way is there to take, and was taken above
+        assert res["way_digests"] == [1, 1]
 
 
 SMALL = """

@@ -31,6 +31,7 @@
 #include <emmintrin.h>
 #endif
 #include <errno.h>
+#include <math.h>
 #include <sched.h>
 #include <stdint.h>
 #include <string.h>
@@ -59,6 +60,9 @@
  * again at most this often, so a change of regime is seen within about a second. */
 #define RETRY_OTHER_WAY_NS 1000000000LL
 enum { WAY_PIPELINED = 0, WAY_READ = 1 };
+/* An allreduce's read way reads the others' parts of a slice in pieces of this, each
+ * reduced while it is still in the cache. */
+#define READ_PIECE_BYTES (1 << 20)
 /* A broadcast's root announces its way and its buffer's address in the rest of its flag's
  * line: int64 slots FLAG_WAY and FLAG_ADDRESS after the flag and the signatures. */
 #define FLAG_WAY (1 + RING)
@@ -90,7 +94,7 @@ typedef struct {
     double rate[64][2];
     long long tried[64][2];
 } Ways;
-enum { WAYS_BROADCAST = 0, WAYS_ALLGATHER = 1 };
+enum { WAYS_BROADCAST = 0, WAYS_ALLGATHER = 1, WAYS_ALLREDUCE = 2, WAYS_COUNT = 3 };
 
 typedef struct {
     PyObject_HEAD
@@ -102,7 +106,8 @@ typedef struct {
     int broken;
     pid_t *pids;                  /* each rank's pid, NULL where ranks cannot read peers */
     int way;                      /* a large collective's way: -1 measured, else that one */
-    Ways ways[2];                 /* what the deciding rank measured: broadcast, allgather */
+    Ways ways[WAYS_COUNT];        /* what the deciding rank measured, per collective */
+    long long since;              /* when every rank had announced the way in progress */
     PyThread_type_lock lock;
     PyObject *check_abort, *mismatched, *refuse, *keep;
 } Ring;
@@ -368,14 +373,36 @@ static int choose_way(Ring *self, Ways *ways, Py_ssize_t nbytes)
     return now_ns() - ways->tried[b][other] > RETRY_OTHER_WAY_NS ? other : best;
 }
 
-/* A measurement of a way: bytes per ns since every rank was there. */
+/* A measurement of a way: bytes per ns since every rank was there. What a way is known
+ * to reach is the best of its recent rates, each fading by e every RETRY_OTHER_WAY_NS:
+ * a call slowed by something else (the rate of a way is noisy; noise only slows) does
+ * not make the faster way look slower, and a way that turns slow is seen so within
+ * about as long as the way not chosen waits for its next try. */
 static void record_way(Ways *ways, Py_ssize_t nbytes, int way, Py_ssize_t bytes, long long since)
 {
     long long now = now_ns();
     int b = log2_bucket(nbytes);
-    double rate = (double)bytes / (double)(now - since + 1), *last = &ways->rate[b][way];
-    *last = *last > 0 ? (*last + rate) / 2 : rate;
+    double rate = (double)bytes / (double)(now - since + 1), *known = &ways->rate[b][way];
+    double kept = *known * exp(-(double)(now - ways->tried[b][way]) / RETRY_OTHER_WAY_NS);
+    *known = rate > kept ? rate : kept;
     ways->tried[b][way] = now;
+}
+
+/* Where every rank takes part in deciding nothing but rank 0 decides (an allgather, an
+ * allreduce): each rank announces its buffer, rank 0 its way, in one barrier; *way is
+ * rank 0's. A rank reads rank 0's way before it can arrive at the collective's next
+ * barrier, so rank 0 cannot announce another before every rank has read this one. */
+static int announce(Ring *self, int kind, Py_ssize_t nbytes, char *buffer, int *way)
+{
+    int64_t *line = self->flags[self->me];
+    line[FLAG_ADDRESS] = (int64_t)(uintptr_t)buffer;
+    if (self->me == 0)
+        line[FLAG_WAY] = choose_way(self, &self->ways[kind], nbytes);
+    if (barrier(self) < 0)
+        return -1;
+    *way = (int)self->flags[0][FLAG_WAY];
+    self->since = now_ns();
+    return 0;
 }
 
 /* broadcast(buffer, nbytes, root[, piece, stream_out]): the root's bytes into every
@@ -505,16 +532,8 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
     int me = self->me, way = WAY_PIPELINED, status = settle(self);
     int either = self->pids != NULL && piece < nbytes;
     char *own = recv + (Py_ssize_t)me * nbytes;
-    long long since = 0;
-    if (status == 0 && either) {
-        int64_t *line = self->flags[me];
-        line[FLAG_ADDRESS] = (int64_t)(uintptr_t)send;
-        if (me == 0)
-            line[FLAG_WAY] = choose_way(self, &self->ways[WAYS_ALLGATHER], nbytes);
-        status = barrier(self);
-        way = (int)self->flags[0][FLAG_WAY];
-        since = now_ns();
-    }
+    if (status == 0 && either)
+        status = announce(self, WAYS_ALLGATHER, nbytes, send, &way);
     if (status == 0 && way == WAY_READ) {
         for (int r = 0; status == 0 && r < self->n; r++)
             if (r != me)
@@ -548,7 +567,7 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
         }
     }
     if (status == 0 && either && me == 0)
-        record_way(&self->ways[WAYS_ALLGATHER], nbytes, way, nbytes, since);
+        record_way(&self->ways[WAYS_ALLGATHER], nbytes, way, nbytes, self->since);
     return leave(self, status);
 }
 
@@ -635,6 +654,110 @@ static PyObject *Ring_allreduce(Ring *self, PyObject *const *args, Py_ssize_t na
 }
 
 /* -- the protocol, for the collectives written in Python ------------------------------- */
+/* announce_allreduce(nbytes, buffer): an allreduce's way (0 pipelined, 1 read), which
+ * rank 0 decides, announced with every rank's buffer in one barrier. */
+static PyObject *Ring_announce_allreduce(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "announce_allreduce(nbytes, buffer)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[0]);
+    if (PyErr_Occurred())
+        return NULL;
+    char *buf = address(args[1], nbytes, 1);
+    int way;
+    if (buf == NULL || self->pids == NULL) {
+        if (buf != NULL)
+            PyErr_SetString(PyExc_RuntimeError, "the ranks cannot read each other here");
+        return NULL;
+    }
+    if (announce(self, WAYS_ALLREDUCE, nbytes, buf, &way) < 0)
+        return NULL;
+    return PyLong_FromLong(way);
+}
+
+/* read_allreduce(buffer, count, type, op): the read way of an announced allreduce. Each
+ * rank owns an equal slice (edges on cache lines, as shm.py's _slice_edges): it reads
+ * the others' parts of it out of their buffers, a slot at a time into its own slots
+ * (nobody reads a slot after the announcing barrier), and reduces them into its own in
+ * rank order; after a barrier, it reads every other owner's reduced slice into its
+ * buffer; after another, every buffer may change again. The owner alone computes its
+ * slice, so every rank gets identical bits. */
+static PyObject *Ring_read_allreduce(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "read_allreduce(buffer, count, type, op)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    int type = (int)PyLong_AsLong(args[2]), op = (int)PyLong_AsLong(args[3]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (type < 0 || type >= T_COUNT || op < K_SUM || op > K_MIN || count < 0)
+        return PyErr_Format(PyExc_ValueError, "no reduction %d of %zd elements of type %d",
+                            op, count, type);
+    if (self->pids == NULL)
+        return PyErr_Format(PyExc_RuntimeError, "the ranks cannot read each other here");
+    Py_ssize_t item = ITEM_SIZE[type], unit = CACHE_LINE / item;
+    char *buf = address(args[0], count * item, 1);
+    if (buf == NULL)
+        return NULL;
+    int n = self->n, me = self->me;
+    Py_ssize_t edge[n + 1];
+    for (int r = 0; r < n; r++)
+        edge[r] = count * r / n / unit * unit;
+    edge[n] = count;
+    char *scratch = self->slots[2 * me];  /* both slots, adjacent: up to READ_PIECE_BYTES */
+    Py_ssize_t step = (2 * self->slot_bytes < READ_PIECE_BYTES ? 2 * self->slot_bytes
+                                                              : READ_PIECE_BYTES) / item;
+    int status = 0;
+    for (Py_ssize_t s = edge[me]; status == 0 && s < edge[me + 1]; s += step) {
+        Py_ssize_t c = edge[me + 1] - s < step ? edge[me + 1] - s : step;
+        for (int r = 0; status == 0 && r < n; r++) {
+            if (r == me)
+                continue;
+            status = read_peer(self->pids[r], scratch,
+                               (uintptr_t)self->flags[r][FLAG_ADDRESS] + s * item, c * item);
+            if (status == 0) {
+                Py_BEGIN_ALLOW_THREADS
+                reduce(type, op, buf + s * item, NULL, buf + s * item, scratch, c);
+                Py_END_ALLOW_THREADS
+            }
+        }
+    }
+    if (status == 0)
+        status = barrier(self);
+    for (int r = 0; status == 0 && r < n; r++)
+        if (r != me && edge[r + 1] > edge[r])
+            status = read_peer(self->pids[r], buf + edge[r] * item,
+                               (uintptr_t)self->flags[r][FLAG_ADDRESS] + edge[r] * item,
+                               (edge[r + 1] - edge[r]) * item);
+    if (status == 0)
+        status = barrier(self);
+    if (status < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* allreduce_done(nbytes, way): rank 0 records how long the way it announced took. */
+static PyObject *Ring_allreduce_done(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "allreduce_done(nbytes, way)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[0]);
+    int way = (int)PyLong_AsLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (nbytes <= 0 || (way != WAY_PIPELINED && way != WAY_READ))
+        return PyErr_Format(PyExc_ValueError, "no way %d of %zd bytes", way, nbytes);
+    if (self->me == 0)
+        record_way(&self->ways[WAYS_ALLREDUCE], nbytes, way, nbytes, self->since);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Ring_arrive(Ring *self, PyObject *unused)
 {
     return PyLong_FromLongLong(arrive(self));
@@ -713,6 +836,12 @@ static PyMethodDef Ring_methods[] = {
     {"wait_root", (PyCFunction)(void (*)(void))Ring_wait_root, METH_FASTCALL,
      "a broadcast's receiver: wait for the root's arrival at epoch"},
     {"settle", (PyCFunction)Ring_settle, METH_NOARGS, "wait what a broadcast left owing"},
+    {"announce_allreduce", (PyCFunction)(void (*)(void))Ring_announce_allreduce, METH_FASTCALL,
+     "announce_allreduce(nbytes, buffer): the way of this allreduce, rank 0's (a barrier)"},
+    {"read_allreduce", (PyCFunction)(void (*)(void))Ring_read_allreduce, METH_FASTCALL,
+     "read_allreduce(buffer, count, type, op): an announced allreduce, the read way"},
+    {"allreduce_done", (PyCFunction)(void (*)(void))Ring_allreduce_done, METH_FASTCALL,
+     "allreduce_done(nbytes, way): rank 0 records the announced way's time"},
     {"__enter__", (PyCFunction)Ring_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Ring_exit, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

@@ -96,6 +96,11 @@ ALLGATHER_PIECE_BYTES = 512 << 10
 # or faster (docs/performance.md).
 STREAM_FRACTION_OF_CACHE = 4
 
+# An allreduce from this size, where the ranks can read each other, goes the way rank 0
+# last measured faster: through the slots, or read out of the other ranks' buffers (the
+# module's docstring says why there are two).
+READ_WAY_MIN_BYTES = 1 << 20
+
 UFUNCS = {"sum": np.add, "max": np.maximum, "min": np.minimum}
 
 # the element types the ring reduces, by the ring's code; others take the chunked path
@@ -219,8 +224,9 @@ class ShmEngine:
                           self.pids)
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
         # seconds spent in each pass of the chunked allreduce ("copy in", "reduce",
-        # "copy out", "barrier"), summed, while a caller sets it to a dict: where a large
-        # allreduce's time goes (benchmarks/bench_allreduce_passes.py); None, untimed
+        # "copy out", "barrier"), summed, while a caller sets it to a dict (which holds
+        # every allreduce to that way, through the slots): where a large allreduce's time
+        # goes (benchmarks/bench_allreduce_passes.py); None, untimed
         self.pass_times: dict[str, float] | None = None
         self._small_views: dict[tuple[np.dtype, int], tuple[list[np.ndarray], ...]] = {}
         self._other_ranks = [r for r in range(self.size) if r != self.rank]
@@ -284,8 +290,27 @@ class ShmEngine:
         if arr.nbytes <= self.oneshot_bytes and code is not None:
             self._ring.allreduce(arr, arr.size, code, KINDS[op])
             return
-        self._run(self._rsag, arr, _reducer(op, arr.dtype), to_root_only,
-                  signature(op, arr.nbytes))
+        sig = signature(op, arr.nbytes)
+        if (code is not None and self.pids is not None and not to_root_only
+                and arr.nbytes >= READ_WAY_MIN_BYTES and self.pass_times is None):
+            self._run(self._either_way, arr, op, code, sig)
+            return
+        self._run(self._rsag, arr, _reducer(op, arr.dtype), to_root_only, sig)
+
+    def _either_way(self, arr: np.ndarray, op: str, code: int, sig: int) -> None:
+        """An allreduce of READ_WAY_MIN_BYTES or more where the ranks can read each
+        other: rank 0 announces the way it measured faster (the ring's
+        `announce_allreduce`), reduce-scatter/all-gather through the slots (`_rsag`) or
+        read out of the other ranks' buffers (`read_allreduce`), and records its time."""
+        ring = self._ring
+        ring.sig = sig
+        ring.settle()
+        way = ring.announce_allreduce(arr.nbytes, arr)
+        if way:
+            ring.read_allreduce(arr, arr.size, code, KINDS[op])
+        else:
+            self._rsag(arr, _reducer(op, arr.dtype), False, sig)
+        ring.allreduce_done(arr.nbytes, way)
 
     def split_allreduce(self, arr: np.ndarray, op: str,
                         across: Callable[[np.ndarray], None]) -> None:
