@@ -320,8 +320,8 @@ static void copy_piece(char *dst, const char *src, Py_ssize_t n, int streamed)
     Py_END_ALLOW_THREADS
 }
 
-/* Read n bytes at `remote` in process pid into `dst` (one copy, by the kernel); -1 with
- * OSError set if it cannot. */
+/* Read n bytes at `remote` in process pid into `dst` (one copy, by the kernel): 0, or
+ * the errno of why it could not. */
 static int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
 {
     int err = 0;
@@ -336,12 +336,33 @@ static int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
         dst += got, remote += (uintptr_t)got, n -= got;
     }
     Py_END_ALLOW_THREADS
-    if (err) {
-        errno = err;
-        PyErr_SetFromErrno(PyExc_OSError);
-        return -1;
+    return err;
+}
+
+/* A collective's read of rank r's buffer; -1 with an exception set if it fails. A rank
+ * that has gone (ESRCH) is what the notebook's watchdog reports: wait, interruptibly,
+ * for its release, as a wait for that rank's flag would. */
+static int read_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t n)
+{
+    int err = read_peer(self->pids[r], dst, remote, n);
+    if (err == 0)
+        return 0;
+    if (err == ESRCH) {
+        for (;;) {
+            if (PyErr_CheckSignals() < 0)
+                return -1;
+            PyObject *res = PyObject_CallNoArgs(self->check_abort);
+            if (res == NULL)
+                return -1;
+            Py_DECREF(res);
+            struct timespec t = {0, 5000000L};
+            Py_BEGIN_ALLOW_THREADS
+            nanosleep(&t, NULL);
+            Py_END_ALLOW_THREADS
+        }
     }
-    return 0;
+    PyErr_Format(PyExc_OSError, "reading rank %d's buffer failed: %s", r, strerror(err));
+    return -1;
 }
 
 static inline int log2_bucket(Py_ssize_t n)
@@ -477,7 +498,7 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
             if (done == 0 && either)
                 way = (int)root_line[FLAG_WAY];
             if (way == WAY_READ) {
-                if ((status = read_peer(self->pids[root], buf,
+                if ((status = read_rank(self, root, buf,
                                         (uintptr_t)root_line[FLAG_ADDRESS], nbytes)) < 0)
                     break;
                 self->owed = arrive(self);
@@ -537,7 +558,7 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
     if (status == 0 && way == WAY_READ) {
         for (int r = 0; status == 0 && r < self->n; r++)
             if (r != me)
-                status = read_peer(self->pids[r], recv + (Py_ssize_t)r * nbytes,
+                status = read_rank(self, r, recv + (Py_ssize_t)r * nbytes,
                                    (uintptr_t)self->flags[r][FLAG_ADDRESS], nbytes);
         if (status == 0 && own != send)
             copy_piece(own, send, nbytes, stream_out);
@@ -717,7 +738,7 @@ static PyObject *Ring_read_allreduce(Ring *self, PyObject *const *args, Py_ssize
         for (int r = 0; status == 0 && r < n; r++) {
             if (r == me)
                 continue;
-            status = read_peer(self->pids[r], scratch,
+            status = read_rank(self, r, scratch,
                                (uintptr_t)self->flags[r][FLAG_ADDRESS] + s * item, c * item);
             if (status == 0) {
                 Py_BEGIN_ALLOW_THREADS
@@ -730,7 +751,7 @@ static PyObject *Ring_read_allreduce(Ring *self, PyObject *const *args, Py_ssize
         status = barrier(self);
     for (int r = 0; status == 0 && r < n; r++)
         if (r != me && edge[r + 1] > edge[r])
-            status = read_peer(self->pids[r], buf + edge[r] * item,
+            status = read_rank(self, r, buf + edge[r] * item,
                                (uintptr_t)self->flags[r][FLAG_ADDRESS] + edge[r] * item,
                                (edge[r + 1] - edge[r]) * item);
     if (status == 0)
@@ -1088,8 +1109,12 @@ static PyObject *module_read_peer(PyObject *m, PyObject *args)
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "%zd bytes", n);
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
-    if (out != NULL && read_peer((pid_t)pid, PyBytes_AS_STRING(out), (uintptr_t)remote, n) < 0)
+    int err = out == NULL ? 0 : read_peer((pid_t)pid, PyBytes_AS_STRING(out), (uintptr_t)remote, n);
+    if (err) {
         Py_CLEAR(out);
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+    }
     return out;
 }
 
