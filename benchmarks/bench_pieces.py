@@ -7,7 +7,10 @@ Why: an allgather moves each rank's part, and a broadcast as large as the last-l
 cache moves its message, in pipelined pieces (`shm.ALLGATHER_PIECE_BYTES`,
 `shm.STREAMING_PIECE_BYTES`); this is what those choices rest on. One engine per piece
 size (2 MiB, 1 MiB, 512 KiB, 256 KiB, 128 KiB), each made with that piece for both
-collectives, and mpi4py's blocking `Allgather` / `Bcast`, take turns at every
+collectives and held to the pipelined way (the ring's `way` 0: pieces through the
+slots), one engine held to the other way ("read": each rank reads the others' buffers,
+in no pieces; the engines pick between the two by measurement, ahead of the pieces),
+and mpi4py's blocking `Allgather` / `Bcast`, take turns at every
 repetition (the order rotated), each timing a loop of back-to-back calls moving ~64 MiB
 after one untimed call; the slowest rank's time, median of the repetitions. Figures are
 bus bandwidth (nccl-tests: allgather's size is the gathered output). The broadcast's
@@ -47,7 +50,10 @@ def main() -> int:
     n = comm.Get_size()
     engines = {piece: ShmEngine(comm.Dup(), allgather_piece_bytes=piece,
                                 streaming_piece_bytes=piece) for piece in PIECES}
-    names = [*PIECES, "mpi4py"]
+    engines["read"] = ShmEngine(comm.Dup())
+    for name, engine in engines.items():
+        engine._ring.way = 1 if name == "read" else 0
+    names = [*PIECES, "read", "mpi4py"]
     if comm.rank == 0:
         print(f"{n} ranks; load average {os.getloadavg()[0]:.1f}; bus bandwidth GB/s, "
               f"median of {args.repeats}; last-level cache "
