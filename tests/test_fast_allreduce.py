@@ -106,6 +106,19 @@ for way in (0, 1):
     x = np.random.default_rng(r).standard_normal(600_001).astype(np.float32)
     fa.allreduce_inplace(x, "sum", comm)
     way_digests.append(len(set(comm.allgather(hashlib.sha1(x.tobytes()).hexdigest()))))
+    # the engine's broadcast and allgather go these two ways too (the read way of a
+    # broadcast: the root writes a share into every receiver as they read the rest)
+    for root in range(n):
+        x = data(r, 3 * MiB // 4 + 37, np.float32)
+        engine.broadcast(x, root)
+        if not np.array_equal(x, data(root, x.size, np.float32)):
+            failures.append(f"way {way} broadcast from {root}")
+    part = data(r, 3 * MiB // 8 + 5, np.float32)
+    gathered = np.zeros(part.size * n, np.float32)
+    engine.allgather(part, gathered)
+    if not np.array_equal(gathered, np.concatenate([data(q, part.size, np.float32)
+                                                    for q in range(n)])):
+        failures.append(f"way {way} allgather")
 engine._ring.way = -1
 
 # Every rank holds identical bits even when summation order would matter.

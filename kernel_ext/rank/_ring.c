@@ -320,15 +320,17 @@ static void copy_piece(char *dst, const char *src, Py_ssize_t n, int streamed)
     Py_END_ALLOW_THREADS
 }
 
-/* Read n bytes at `remote` in process pid into `dst` (one copy, by the kernel): 0, or
- * the errno of why it could not. */
-static int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
+/* Read n bytes at `remote` in process pid into `dst`, or where `push`, write n bytes at
+ * `dst` into `remote` there (one copy, by the kernel): 0, or the errno of why it could
+ * not. */
+static int move_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n, int push)
 {
     int err = 0;
     Py_BEGIN_ALLOW_THREADS
     while (n > 0) {
         struct iovec local = {dst, (size_t)n}, far = {(void *)remote, (size_t)n};
-        ssize_t got = process_vm_readv(pid, &local, 1, &far, 1, 0);
+        ssize_t got = push ? process_vm_writev(pid, &local, 1, &far, 1, 0)
+                           : process_vm_readv(pid, &local, 1, &far, 1, 0);
         if (got <= 0) {
             err = got < 0 ? errno : EIO;
             break;
@@ -339,12 +341,18 @@ static int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
     return err;
 }
 
-/* A collective's read of rank r's buffer; -1 with an exception set if it fails. A rank
- * that has gone (ESRCH) is what the notebook's watchdog reports: wait, interruptibly,
- * for its release, as a wait for that rank's flag would. */
-static int read_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t n)
+static inline int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
 {
-    int err = read_peer(self->pids[r], dst, remote, n);
+    return move_peer(pid, dst, remote, n, 0);
+}
+
+/* A collective's read of rank r's buffer (a write into it where `push`); -1 with an
+ * exception set if it fails. A rank that has gone (ESRCH) is what the notebook's
+ * watchdog reports: wait, interruptibly, for its release, as a wait for that rank's
+ * flag would. */
+static int move_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t n, int push)
+{
+    int err = move_peer(self->pids[r], dst, remote, n, push);
     if (err == 0)
         return 0;
     if (err == ESRCH) {
@@ -361,8 +369,14 @@ static int read_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t 
             Py_END_ALLOW_THREADS
         }
     }
-    PyErr_Format(PyExc_OSError, "reading rank %d's buffer failed: %s", r, strerror(err));
+    PyErr_Format(PyExc_OSError, "%s rank %d's buffer failed: %s", push ? "writing" : "reading",
+                 r, strerror(err));
     return -1;
+}
+
+static inline int read_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t n)
+{
+    return move_rank(self, r, dst, remote, n, 0);
 }
 
 static inline int log2_bucket(Py_ssize_t n)
@@ -437,9 +451,10 @@ static int announce(Ring *self, int kind, Py_ssize_t nbytes, char *buffer, int *
  * copy piece k out); a receiver arrives, waits for the root alone, copies out, and owes
  * the rest of the barrier (settled at the next piece or collective: shm.py's docstring).
  *
- * Read: the root announces its buffer with its arrival and waits for the receivers'
- * next arrival; each receiver reads the buffer out of the root's memory, then arrives
- * and owes the rest of that barrier.
+ * Read: the root announces its buffer with its arrival, each receiver its own with its
+ * arrival; each receiver reads all but the last share of the message (1/n of it) out of
+ * the root's memory while the root writes that share into every receiver's buffer, so
+ * every rank copies (n-1)/n of the message, at once; then a barrier.
  *
  * The root's first arrival carries its way (FLAG_WAY), so every rank goes the same. */
 static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t nargs)
@@ -468,7 +483,8 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
     int64_t *root_line = self->flags[root];
     long long since = 0;
     self->sig = sig;
-    Py_ssize_t done = 0;
+    /* the read way's split: the receivers read [0, cut), the root writes the rest */
+    Py_ssize_t done = 0, cut = (nbytes - nbytes / self->n) / CACHE_LINE * CACHE_LINE;
     do {
         Py_ssize_t n = nbytes - done < piece ? nbytes - done : piece;
         char *slot = self->slots[2 * root + (++self->use & 1)];
@@ -487,22 +503,28 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
             if (done == 0)
                 since = now_ns();
             if (way == WAY_READ) {
-                status = barrier(self);
+                for (int r = 0; status == 0 && r < self->n; r++)
+                    if (r != root)
+                        status = move_rank(self, r, buf + cut,
+                                           (uintptr_t)self->flags[r][FLAG_ADDRESS] + cut,
+                                           nbytes - cut, 1);
+                if (status == 0)
+                    status = barrier(self);
                 done = nbytes;
                 break;
             }
         } else {
+            if (done == 0 && either)
+                self->flags[self->me][FLAG_ADDRESS] = (int64_t)(uintptr_t)buf;
             long long e = arrive(self);
             if ((status = wait_root(self, root, e)) < 0)
                 break;
             if (done == 0 && either)
                 way = (int)root_line[FLAG_WAY];
             if (way == WAY_READ) {
-                if ((status = read_rank(self, root, buf,
-                                        (uintptr_t)root_line[FLAG_ADDRESS], nbytes)) < 0)
-                    break;
-                self->owed = arrive(self);
-                self->owed_sig = sig;
+                status = read_rank(self, root, buf, (uintptr_t)root_line[FLAG_ADDRESS], cut);
+                if (status == 0)  /* and the root's writes into this buffer are done */
+                    status = barrier(self);
                 done = nbytes;
                 break;
             }
