@@ -51,20 +51,21 @@
 #define BROADCAST_ROOT_STREAM_MAX (1 << 20)
 /* A broadcast's or an allgather's copies release the GIL from this size on. */
 #define RELEASE_BYTES (64 << 10)
-/* Above BROADCAST_ROOT_STREAM_MAX a broadcast goes one of two ways, whichever the root
- * last measured faster at that size (to a power of two): pipelined through its slots, or
- * read by each receiver straight out of the root's buffer (process_vm_readv: one copy,
- * and the root's cache never hands the receivers a line it has just written). On this
- * project's VMs the first ran 1.3-1.8x faster than the second for seconds at a time and
- * five to ten times slower for others (docs/performance.md). The way not chosen is tried
- * again at most this often, so a change of regime is seen within about a second. */
+/* A collective larger than one piece goes one of two ways, whichever the rank that
+ * decides (a broadcast's root, else rank 0) last measured faster at that size (to a
+ * power of two): pipelined through the slots, or read straight out of the other ranks'
+ * buffers (process_vm_readv: one copy, and no cache hands another a line it has just
+ * written). On this project's VMs the hand-offs through the slots ran five to ten times
+ * slower for seconds at a time (docs/performance.md). The way not chosen is tried again
+ * at most this often, so a change of regime is seen within about a second. */
 #define RETRY_OTHER_WAY_NS 1000000000LL
 enum { WAY_PIPELINED = 0, WAY_READ = 1 };
 /* An allreduce's read way reads the others' parts of a slice in pieces of this, each
  * reduced while it is still in the cache. */
 #define READ_PIECE_BYTES (1 << 20)
-/* A broadcast's root announces its way and its buffer's address in the rest of its flag's
- * line: int64 slots FLAG_WAY and FLAG_ADDRESS after the flag and the signatures. */
+/* The deciding rank announces its way, and every rank its buffer's address, in the rest
+ * of its flag's line: int64 slots FLAG_WAY and FLAG_ADDRESS after the flag and the
+ * signatures. */
 #define FLAG_WAY (1 + RING)
 #define FLAG_ADDRESS (2 + RING)
 #define SPIN_NS 10000LL            /* pure polling first */
@@ -384,14 +385,14 @@ static inline int log2_bucket(Py_ssize_t n)
     return 63 - __builtin_clzll((unsigned long long)n);
 }
 
-/* Whether a broadcast may go either way: above BROADCAST_ROOT_STREAM_MAX, where the ranks
- * can read each other, and in more than one piece, so that a receiver has read the root's
+/* Whether a broadcast may go either way: where the ranks can read each other, and in
+ * more than one piece, so that a receiver has read the root's
  * way before the root can finish (it waits for the receivers' arrival at the second
  * piece, or after their read) and announce the next broadcast's. Every rank computes it
  * the same from the same arguments. */
 static inline int two_ways(Ring *self, Py_ssize_t nbytes, Py_ssize_t piece)
 {
-    return self->pids != NULL && nbytes > BROADCAST_ROOT_STREAM_MAX && piece < nbytes;
+    return self->pids != NULL && piece < nbytes;
 }
 
 /* The way for a collective that may go either way: the faster by the last measurement,
@@ -443,7 +444,7 @@ static int announce(Ring *self, int kind, Py_ssize_t nbytes, char *buffer, int *
 /* broadcast(buffer, nbytes, root[, piece, stream_out]): the root's bytes into every
  * rank's buffer.
  *
- * Pipelined (up to BROADCAST_ROOT_STREAM_MAX always): in pieces of `piece` bytes (at most
+ * Pipelined (always in one piece): in pieces of `piece` bytes (at most
  * a slot; the whole message, one piece, without it), the receivers' copies around the
  * caches where `stream_out`. Piece k goes through the root's slot of the next parity:
  * the root copies it in and arrives, then waits for the receivers' arrivals at that

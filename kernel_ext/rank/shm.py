@@ -32,9 +32,9 @@ parity, what a broadcast owes, the collective in progress, broken) and the colle
 signatures. A collective of a few KiB between two cores is well under a microsecond of
 copying and cache-line hand-offs; in Python its flag reads, epoch bumps and NumPy calls
 would cost ~2 µs more, and a broadcast or an allgather, which does nothing between its
-copies but wait, would pay that for every piece. Above one piece (1 MiB for a
-broadcast) these two go one of two ways, whichever the deciding rank last measured
-faster: pipelined through the slots, or read straight out of the other ranks' memory
+copies but wait, would pay that for every piece. Above one piece these two (and an
+allreduce from READ_WAY_MIN_BYTES) go one of two ways, whichever the deciding rank last
+measured faster: pipelined through the slots, or read straight out of the other ranks' memory
 (process_vm_readv, where `_readable_peers` finds the ranks may): on this project's VMs
 the slots' cache-to-cache hand-offs ran five to ten times slower for seconds at a time.
 The larger allreduce is driven from here, chunk by chunk, and uses the ring's arrive /

@@ -85,7 +85,8 @@ def main(ctx: Any, report: Any) -> None:
         for way in (0, 1, -1):
             engine._ring.way = way
             for count, dtype in ((((5 << 20) + 6) // 2, torch.bfloat16),
-                                 ((3 << 20) // 4 + 1, torch.float32)):
+                                 ((3 << 20) // 4 + 1, torch.float32),
+                                 ((600 << 10) + 3, torch.int8)):
                 for root in [q for q in range(n) for _ in range(3)]:
                     x = pattern(count, dtype, r)
                     mpilab.broadcast(x, root=root)
