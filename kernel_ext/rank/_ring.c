@@ -664,18 +664,34 @@ static void reduce(int type, int op, char *out, char *copy, const char *a, const
 
 static const int ITEM_SIZE[T_COUNT] = {4, 8, 2, 1, 2, 4, 8, 1, 2, 4, 8};
 
+/* A reduction's arguments (count, type, op), from args[at]; -1 with an exception set if
+ * they name none. */
+static int reduction_args(PyObject *const *args, Py_ssize_t at, Py_ssize_t *count, int *type,
+                          int *op)
+{
+    *count = PyLong_AsSsize_t(args[at]);
+    *type = (int)PyLong_AsLong(args[at + 1]);
+    *op = (int)PyLong_AsLong(args[at + 2]);
+    if (PyErr_Occurred())
+        return -1;
+    if (*type < 0 || *type >= T_COUNT || *op < K_SUM || *op > K_MIN || *count < 0) {
+        PyErr_Format(PyExc_ValueError, "no reduction %d of %zd elements of type %d", *op,
+                     *count, *type);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *Ring_allreduce(Ring *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "allreduce(buffer, count, type, op)");
         return NULL;
     }
-    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
-    int type = (int)PyLong_AsLong(args[2]), op = (int)PyLong_AsLong(args[3]);
-    if (PyErr_Occurred())
+    Py_ssize_t count;
+    int type, op;
+    if (reduction_args(args, 1, &count, &type, &op) < 0)
         return NULL;
-    if (type < 0 || type >= T_COUNT || op < K_SUM || op > K_MIN)
-        return PyErr_Format(PyExc_ValueError, "no reduction %d of element type %d", op, type);
     Py_ssize_t nbytes = count * ITEM_SIZE[type];
     if (check_piece(self, nbytes) < 0)
         return NULL;
@@ -734,13 +750,10 @@ static PyObject *Ring_read_allreduce(Ring *self, PyObject *const *args, Py_ssize
         PyErr_SetString(PyExc_TypeError, "read_allreduce(buffer, count, type, op)");
         return NULL;
     }
-    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
-    int type = (int)PyLong_AsLong(args[2]), op = (int)PyLong_AsLong(args[3]);
-    if (PyErr_Occurred())
+    Py_ssize_t count;
+    int type, op;
+    if (reduction_args(args, 1, &count, &type, &op) < 0)
         return NULL;
-    if (type < 0 || type >= T_COUNT || op < K_SUM || op > K_MIN || count < 0)
-        return PyErr_Format(PyExc_ValueError, "no reduction %d of %zd elements of type %d",
-                            op, count, type);
     if (self->pids == NULL)
         return PyErr_Format(PyExc_RuntimeError, "the ranks cannot read each other here");
     Py_ssize_t item = ITEM_SIZE[type], unit = CACHE_LINE / item;
@@ -1098,13 +1111,10 @@ static PyObject *module_reduce_publish(PyObject *m, PyObject *const *args, Py_ss
                         "type, op)");
         return NULL;
     }
-    Py_ssize_t count = PyLong_AsSsize_t(args[3]);
-    int type = (int)PyLong_AsLong(args[4]), op = (int)PyLong_AsLong(args[5]);
-    if (PyErr_Occurred())
+    Py_ssize_t count;
+    int type, op;
+    if (reduction_args(args, 3, &count, &type, &op) < 0)
         return NULL;
-    if (type < 0 || type >= T_COUNT || op < K_SUM || op > K_MIN || count < 0)
-        return PyErr_Format(PyExc_ValueError, "no reduction %d of %zd elements of type %d",
-                            op, count, type);
     Py_ssize_t nbytes = count * ITEM_SIZE[type], n = PyTuple_GET_SIZE(args[1]);
     char *mine = address(args[0], nbytes, 1);
     char *published = mine == NULL ? NULL : address(args[2], nbytes, 1);

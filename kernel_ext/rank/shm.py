@@ -217,7 +217,7 @@ class ShmEngine:
             body = raw[CACHE_LINE:]
             self._slots.append((body[: self.chunk_bytes], body[self.chunk_bytes :]))
         segments[self.rank][:CACHE_LINE] = 0
-        # whether every rank may read the others' memory (large broadcasts then may)
+        # whether every rank may read the others' memory (collectives above one piece then may)
         self.pids = _readable_peers(node_comm)
         self._ring = Ring([int(raw.ctypes.data) for raw in segments], self.rank,
                           self.chunk_bytes, check_abort, _mismatched, self._refuse, segments,
