@@ -1,14 +1,15 @@
-/* The flag protocol of mpilab's shared-memory engine (shm.py), its collectives of one
- * piece, and the two passes of its larger collectives that C does better than NumPy (a
- * copy that bypasses the caches, a reduction that publishes as it goes), in C.
+/* The flag protocol of mpilab's shared-memory engine (shm.py), its one-piece allreduce,
+ * its broadcast and allgather of any size, the read way of its larger allreduce, and the
+ * two passes of that allreduce's other way that C does better than NumPy (a copy that
+ * bypasses the caches, a reduction that publishes as it goes), in C.
  *
  * Why C: a collective of a few KiB between two cores of one node takes well under a
  * microsecond of copying and cache-line hand-offs, but several microseconds of Python
  * (every flag read, epoch bump and slot view is a bytecode or a NumPy call). So the ring
  * holds the engine's synchronisation state (epoch, slot parity, the wait a broadcast owes,
  * the collective in progress, broken) and does the waits for every collective of the
- * engine: the large ones, written in Python with NumPy, call arrive / barrier / wait_root
- * / settle here; the ones that fit in one piece run here whole.
+ * engine: the larger allreduce through the slots, written in Python with NumPy, calls
+ * arrive / barrier / settle here; the others run here whole.
  *
  * Waiting is what shm.py's docstring describes: spin for ~10 µs, then yield the core
  * (releasing the GIL, running Python's signal handlers) for up to 5 ms, then sleep up to
@@ -89,8 +90,8 @@ static inline long long signature(int kind, Py_ssize_t nbytes, int root)
     return kind | (long long)root << 8 | (long long)nbytes << 24;
 }
 
-/* What the rank that decides a large collective's way (a broadcast's root, an
- * allgather's rank 0) last measured of each way, by log2 of the bytes, and when. */
+/* What the rank that decides a large collective's way (a broadcast's root, otherwise
+ * rank 0) last measured of each way, by log2 of the bytes, and when. */
 typedef struct {
     double rate[64][2];
     long long tried[64][2];
@@ -110,7 +111,7 @@ typedef struct {
     Ways ways[WAYS_COUNT];        /* what the deciding rank measured, per collective */
     long long since;              /* when every rank had announced the way in progress */
     PyThread_type_lock lock;
-    PyObject *check_abort, *mismatched, *refuse, *keep;
+    PyObject *check_abort, *wait_release, *refuse, *keep;
 } Ring;
 
 static inline long long now_ns(void)
@@ -167,20 +168,22 @@ static int wait_flag(Ring *self, int64_t *flag, long long target)
     return 0;
 }
 
-/* Another rank arrived at this epoch in a different collective: the Python `mismatched`
- * waits for the release and raises. */
-static int mismatch(Ring *self)
+/* A collective that cannot complete (`why`: another rank arrived at this epoch in a
+ * different collective, or a rank has gone): the Python `wait_release` waits, as a wait
+ * for a flag would, until the notebook's watchdog releases the ranks, and raises. */
+static int wait_release(Ring *self, const char *why)
 {
-    PyObject *r = PyObject_CallNoArgs(self->mismatched);
+    PyObject *r = PyObject_CallNoArgs(self->wait_release);
     Py_XDECREF(r);
     if (r != NULL)
-        PyErr_SetString(PyExc_RuntimeError, "mismatched collectives");
+        PyErr_SetString(PyExc_RuntimeError, why);
     return -1;
 }
 
 static inline int check_sig(Ring *self, int r, long long epoch, long long sig)
 {
-    return self->flags[r][1 + (epoch & (RING - 1))] == sig ? 0 : mismatch(self);
+    return self->flags[r][1 + (epoch & (RING - 1))] == sig
+        ? 0 : wait_release(self, "mismatched collectives");
 }
 
 static long long arrive(Ring *self)
@@ -342,34 +345,16 @@ static int move_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n, int p
     return err;
 }
 
-static inline int read_peer(pid_t pid, char *dst, uintptr_t remote, Py_ssize_t n)
-{
-    return move_peer(pid, dst, remote, n, 0);
-}
-
 /* A collective's read of rank r's buffer (a write into it where `push`); -1 with an
  * exception set if it fails. A rank that has gone (ESRCH) is what the notebook's
- * watchdog reports: wait, interruptibly, for its release, as a wait for that rank's
- * flag would. */
+ * watchdog reports: wait for its release, as a wait for that rank's flag would. */
 static int move_rank(Ring *self, int r, char *dst, uintptr_t remote, Py_ssize_t n, int push)
 {
     int err = move_peer(self->pids[r], dst, remote, n, push);
     if (err == 0)
         return 0;
-    if (err == ESRCH) {
-        for (;;) {
-            if (PyErr_CheckSignals() < 0)
-                return -1;
-            PyObject *res = PyObject_CallNoArgs(self->check_abort);
-            if (res == NULL)
-                return -1;
-            Py_DECREF(res);
-            struct timespec t = {0, 5000000L};
-            Py_BEGIN_ALLOW_THREADS
-            nanosleep(&t, NULL);
-            Py_END_ALLOW_THREADS
-        }
-    }
+    if (err == ESRCH)
+        return wait_release(self, "a rank has gone");
     PyErr_Format(PyExc_OSError, "%s rank %d's buffer failed: %s", push ? "writing" : "reading",
                  r, strerror(err));
     return -1;
@@ -385,11 +370,11 @@ static inline int log2_bucket(Py_ssize_t n)
     return 63 - __builtin_clzll((unsigned long long)n);
 }
 
-/* Whether a broadcast may go either way: where the ranks can read each other, and in
- * more than one piece, so that a receiver has read the root's
- * way before the root can finish (it waits for the receivers' arrival at the second
- * piece, or after their read) and announce the next broadcast's. Every rank computes it
- * the same from the same arguments. */
+/* Whether a broadcast or an allgather may go either way: where the ranks can read each
+ * other, and in more than one piece. A broadcast needs the second piece: a receiver
+ * reads the root's way before it arrives at it, and the root cannot finish (and announce
+ * the next broadcast's way) before that arrival, or the read way's barrier. Every rank
+ * computes it the same from the same arguments. */
 static inline int two_ways(Ring *self, Py_ssize_t nbytes, Py_ssize_t piece)
 {
     return self->pids != NULL && piece < nbytes;
@@ -444,8 +429,8 @@ static int announce(Ring *self, int kind, Py_ssize_t nbytes, char *buffer, int *
 /* broadcast(buffer, nbytes, root[, piece, stream_out]): the root's bytes into every
  * rank's buffer.
  *
- * Pipelined (always in one piece): in pieces of `piece` bytes (at most
- * a slot; the whole message, one piece, without it), the receivers' copies around the
+ * Pipelined (always, for one piece): in pieces of `piece` bytes (at most a slot; the
+ * whole message, one piece, without it), the receivers' copies around the
  * caches where `stream_out`. Piece k goes through the root's slot of the next parity:
  * the root copies it in and arrives, then waits for the receivers' arrivals at that
  * epoch (they make them as they start on it, so the root copies piece k+1 in while they
@@ -541,7 +526,6 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
     return leave(self, status);
 }
 
-/* -- the one-piece collectives ---------------------------------------------------------- */
 /* allgather(send, nbytes, recv[, piece, stream_out]): every rank's nbytes of send into
  * recv, in rank order; in pieces of `piece` (one piece, the whole, without it), the
  * copies into recv around the caches where `stream_out`.
@@ -574,7 +558,7 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
         return NULL;
     self->sig = signature(K_ALLGATHER, nbytes, 0);
     int me = self->me, way = WAY_PIPELINED, status = settle(self);
-    int either = self->pids != NULL && piece < nbytes;
+    int either = two_ways(self, nbytes, piece);
     char *own = recv + (Py_ssize_t)me * nbytes;
     if (status == 0 && either)
         status = announce(self, WAYS_ALLGATHER, nbytes, send, &way);
@@ -662,6 +646,7 @@ static void reduce(int type, int op, char *out, char *copy, const char *a, const
     }
 }
 
+/* -- the one-piece allreduce ------------------------------------------------------------ */
 static const int ITEM_SIZE[T_COUNT] = {4, 8, 2, 1, 2, 4, 8, 1, 2, 4, 8};
 
 /* A reduction's arguments (count, type, op), from args[at]; -1 with an exception set if
@@ -882,7 +867,8 @@ static PyMethodDef Ring_methods[] = {
      "broadcast(buffer, nbytes, root[, piece, stream_out]): root's bytes into every rank's "
      "buffer, in pieces (one without `piece`)"},
     {"allgather", (PyCFunction)(void (*)(void))Ring_allgather, METH_FASTCALL,
-     "allgather(send, nbytes, recv): every rank's send, in rank order, into recv"},
+     "allgather(send, nbytes, recv[, piece, stream_out]): every rank's send, in rank order, "
+     "into recv, in pieces (one without `piece`)"},
     {"allreduce", (PyCFunction)(void (*)(void))Ring_allreduce, METH_FASTCALL,
      "allreduce(buffer, count, type, op): reduce count elements in place (one piece)"},
     {"arrive", (PyCFunction)Ring_arrive, METH_NOARGS,
@@ -912,14 +898,14 @@ static PyMemberDef Ring_members[] = {
     {"sig", T_LONGLONG, offsetof(Ring, sig), 0, "the signature of the collective in progress"},
     {"broken", T_INT, offsetof(Ring, broken), 0, "a collective stopped half-way"},
     {"way", T_INT, offsetof(Ring, way), 0,
-     "a large broadcast's or allgather's way, as the rank that decides picks it: -1 by "
+     "the way of a collective above one piece, as the rank that decides picks it: -1 by "
      "measurement, 0 pipelined through the slots, 1 read out of the other ranks' memory"},
     {NULL, 0, 0, 0, NULL},
 };
 
 static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
 {
-    static char *kw[] = {"segments", "me", "slot_bytes", "check_abort", "mismatched",
+    static char *kw[] = {"segments", "me", "slot_bytes", "check_abort", "wait_release",
                          "refuse", "keep", "pids", NULL};
     PyObject *segments, *keep, *pids = Py_None;
     Py_ssize_t slot_bytes;
@@ -929,12 +915,12 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "OinOOOO|O", kw, &segments, &me, &slot_bytes,
-                                     &self->check_abort, &self->mismatched, &self->refuse,
+                                     &self->check_abort, &self->wait_release, &self->refuse,
                                      &keep, &pids))
         return -1;
     self->way = -1;
     Py_INCREF(self->check_abort);
-    Py_INCREF(self->mismatched);
+    Py_INCREF(self->wait_release);
     Py_INCREF(self->refuse);
     Py_INCREF(keep);
     self->keep = keep;
@@ -1004,7 +990,7 @@ static void Ring_dealloc(Ring *self)
     PyMem_Free(self->slots);
     PyMem_Free(self->pids);
     Py_XDECREF(self->check_abort);
-    Py_XDECREF(self->mismatched);
+    Py_XDECREF(self->wait_release);
     Py_XDECREF(self->refuse);
     Py_XDECREF(self->keep);
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -1014,12 +1000,13 @@ static PyTypeObject RingType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "mpilab.rank._ring.Ring",
     .tp_doc = PyDoc_STR(
-        "Ring(segments, me, slot_bytes, check_abort, mismatched, refuse, keep, pids=None):\n"
+        "Ring(segments, me, slot_bytes, check_abort, wait_release, refuse, keep, pids=None):\n"
         "the flag protocol over every rank's segment (addresses: a 64-byte line of flag,\n"
-        "signatures and a broadcast's way and address, then two slots of slot_bytes), the\n"
-        "collectives of one piece and the broadcast. keep: what owns the segments' memory,\n"
-        "kept alive with the ring. pids: each rank's process id where every rank can read\n"
-        "the others' memory (read_peer), which large broadcasts may then do."),
+        "signatures, a way and a buffer's address, then two slots of slot_bytes), the\n"
+        "collectives of one piece, the broadcast and the allgather, and the allreduce's\n"
+        "read way. keep: what owns the segments' memory, kept alive with the ring. pids:\n"
+        "each rank's process id where every rank can read the others' memory (read_peer);\n"
+        "collectives above one piece may then go that way."),
     .tp_basicsize = sizeof(Ring),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
@@ -1142,7 +1129,8 @@ static PyObject *module_read_peer(PyObject *m, PyObject *args)
     if (n < 0)
         return PyErr_Format(PyExc_ValueError, "%zd bytes", n);
     PyObject *out = PyBytes_FromStringAndSize(NULL, n);
-    int err = out == NULL ? 0 : read_peer((pid_t)pid, PyBytes_AS_STRING(out), (uintptr_t)remote, n);
+    int err = out == NULL ? 0 : move_peer((pid_t)pid, PyBytes_AS_STRING(out), (uintptr_t)remote,
+                                          n, 0);
     if (err) {
         Py_CLEAR(out);
         errno = err;

@@ -173,10 +173,11 @@ class ShmBroken(RuntimeError):
     """An earlier collective on this window stopped half-way; the ranks are out of step."""
 
 
-def _mismatched() -> None:
-    """Another rank arrived here in a different collective: wait, interruptibly, for the
-    release (the watchdog's mismatch report aborts the waits, Ctrl-C interrupts them);
-    never complete with data that belongs to another collective."""
+def _wait_for_release() -> None:
+    """A collective that cannot complete (another rank arrived here in a different
+    collective, or a rank has gone): wait, interruptibly, for the release (the watchdog's
+    report aborts the waits, Ctrl-C interrupts them); never complete with data that
+    belongs to another collective."""
     while True:
         check_abort()
         time.sleep(0.005)
@@ -220,7 +221,7 @@ class ShmEngine:
         # whether every rank may read the others' memory (collectives above one piece then may)
         self.pids = _readable_peers(node_comm)
         self._ring = Ring([int(raw.ctypes.data) for raw in segments], self.rank,
-                          self.chunk_bytes, check_abort, _mismatched, self._refuse, segments,
+                          self.chunk_bytes, check_abort, _wait_for_release, self._refuse, segments,
                           self.pids)
         self._typed: dict[np.dtype, list[tuple[np.ndarray, np.ndarray]]] = {}
         # seconds spent in each pass of the chunked allreduce ("copy in", "reduce",
