@@ -15,7 +15,8 @@ Rows, all in one run, the backends taking every order in turn at each repetition
 
 Every figure is bus bandwidth (nccl-tests) from the median of `repeats` timings of the
 slowest rank, each a loop of back-to-back collectives moving ~32 MiB (at most 100 of
-them, after a fifth as many untimed ones). A second table gives the fastest repeat:
+them, and no more than take ~5 ms at the backend's speed in the first warm-up; after a
+fifth as many untimed ones). A second table gives the fastest repeat:
 what each backend does when the node's other tenants leave it alone.
 
 The memory-copy figure (``bench.memcpy_bandwidth``: bytes one core copies per second

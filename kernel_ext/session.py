@@ -156,9 +156,10 @@ class Session:
             raise ClusterError(f"bench: {_remote_message(e)}") from None
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
-        """`%mpilab bench`: a progress line while it measures (a minute for the full range
-        on a busy node), then the table and the bandwidth plot with the ceiling. A
-        backend that cannot run is named once, in the table (not in the plot too)."""
+        """`%mpilab bench`: a progress line while it measures (~15 s for the full range
+        on two ranks of a 2-core node), then the table and the bandwidth plot with the
+        ceiling. A backend that cannot run is named once, in the table (not in the plot
+        too)."""
         import time
         import uuid
 

@@ -46,6 +46,11 @@ _WARMUP = 2
 # backend that ran before it.
 _TIMED_BYTES = 32 << 20
 _MAX_ITERS = 100
+# ... and lasts at most about this long once a backend's speed is known (from the first
+# warm-up repetition): a backend that takes a millisecond a call (gloo's small messages on a
+# loaded node) is as well measured by a few calls a repetition as by a hundred, which
+# made it most of the benchmark's time. The fast backends' counts stay the byte rule's.
+_REPETITION_S = 5e-3
 
 
 def bus_factor(op: str, n: int) -> float:
@@ -122,27 +127,32 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     measured: dict[tuple[str, int], dict] = {}
     for size in sizes:
         steps = {b: _step(op, b, size, ctx) for b in running}
-        iters = max(1, min(_MAX_ITERS, _TIMED_BYTES // size))
-        warm = max(1, iters // 5)
+        calls = dict.fromkeys(running, max(1, min(_MAX_ITERS, _TIMED_BYTES // size)))
         times: dict[str, list[float]] = {b: [] for b in running}
+        first: dict[str, float] = {}  # each backend's time a call in the first warm-up
         # Backends take turns at every repetition, so a burst of load on the node hits
         # them alike instead of spoiling one backend's whole series.
         orders = list(itertools.permutations(running))
         for i in range(_WARMUP + repeats):
+            if i == 1:
+                calls = _calls_within(comm, first, calls)
             # every order in turn: a backend that leaves work behind (gloo's threads)
             # slows each other backend equally often (a plain rotation of three puts
             # the same one after gloo in two repeats of three)
             for b in orders[i % len(orders)]:
-                step = steps[b]
+                step, count = steps[b], calls[b]
                 wait_interruptibly(comm.Ibarrier())  # interruptible while ranks gather,
-                for _ in range(warm):  # untimed: what the previous backend left behind
-                    step()  # (gloo: ~20 slow small collectives after it) lands here
+                for _ in range(max(1, count // 5)):  # untimed: what the previous backend
+                    step()  # left behind (gloo: ~20 slow small collectives after it)
                 comm.Barrier()  # then a spinning barrier: ranks start within a µs or so
                 t0 = time.perf_counter()
-                for _ in range(iters):
+                for _ in range(count):
                     step()
-                if i >= _WARMUP:
-                    times[b].append((time.perf_counter() - t0) / iters)
+                per_call = (time.perf_counter() - t0) / count
+                if i == 0:
+                    first[b] = per_call
+                elif i >= _WARMUP:
+                    times[b].append(per_call)
         nbytes = effective_size(op, size, n)
         for b in running:
             slowest = np.array(times[b])
@@ -154,6 +164,18 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
                                    "time_min_s": float(slowest.min())}
     rows += [measured[(b, size)] for b in running for size in sizes]
     return rows if ctx.rank == 0 else []
+
+
+def _calls_within(comm, per_call: dict[str, float], calls: dict[str, int]) -> dict[str, int]:
+    """Each backend's calls a repetition: as many as `calls` says, but no more than
+    fill _REPETITION_S at the slowest rank's time a call (`per_call`, this rank's); the
+    same on every rank (they must make the same collectives)."""
+    from mpi4py import MPI
+
+    slowest = np.array([per_call[b] for b in calls])
+    comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
+    return {b: max(1, min(count, int(_REPETITION_S / max(t, 1e-9))))
+            for (b, count), t in zip(calls.items(), slowest)}
 
 
 def effective_size(op: str, size: int, n: int) -> int:
