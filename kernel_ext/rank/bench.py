@@ -108,8 +108,6 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     shared, noisy node)}; a backend that cannot run here gives one row with a `note` and
     None figures.
     """
-    from mpi4py import MPI
-
     if op not in COLLECTIVES:
         raise ValueError(f"bench op {op!r} is not one of {', '.join(COLLECTIVES)}")
     check_backends(backends)
@@ -155,8 +153,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
                     times[b].append(per_call)
         nbytes = effective_size(op, size, n)
         for b in running:
-            slowest = np.array(times[b])
-            comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
+            slowest = _slowest(comm, times[b])
             t = float(np.median(slowest))
             algbw = nbytes / t / 1e9
             measured[(b, size)] = {"op": op, "backend": b, "size_bytes": nbytes, "time_s": t,
@@ -170,12 +167,18 @@ def _calls_within(comm, per_call: dict[str, float], calls: dict[str, int]) -> di
     """Each backend's calls a repetition: as many as `calls` says, but no more than
     fill _REPETITION_S at the slowest rank's time a call (`per_call`, this rank's); the
     same on every rank (they must make the same collectives)."""
-    from mpi4py import MPI
-
-    slowest = np.array([per_call[b] for b in calls])
-    comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
+    slowest = _slowest(comm, [per_call[b] for b in calls])
     return {b: max(1, min(count, int(_REPETITION_S / max(t, 1e-9))))
             for (b, count), t in zip(calls.items(), slowest)}
+
+
+def _slowest(comm, times: list[float]) -> np.ndarray:
+    """Each of `times` at the slowest rank (collective: every rank passes as many)."""
+    from mpi4py import MPI
+
+    slowest = np.array(times, np.float64)
+    comm.Allreduce(MPI.IN_PLACE, slowest, MPI.MAX)
+    return slowest
 
 
 def effective_size(op: str, size: int, n: int) -> int:
