@@ -304,6 +304,23 @@ static int check_piece(Ring *self, Py_ssize_t nbytes)
 
 static void stream_bytes(char *dst, const char *src, Py_ssize_t n);
 
+/* The arguments a broadcast and an allgather share: nbytes (args[1]), and where nargs is
+ * 5 the piece (args[3]; the whole message otherwise) and stream_out (args[4]). */
+static int piece_args(Ring *self, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *nbytes,
+                      Py_ssize_t *piece, int *stream_out)
+{
+    *nbytes = PyLong_AsSsize_t(args[1]);
+    *piece = nargs == 5 ? PyLong_AsSsize_t(args[3]) : *nbytes;
+    *stream_out = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (PyErr_Occurred() || *stream_out < 0 || check_piece(self, *piece) < 0)
+        return -1;
+    if (*nbytes < 0 || (*piece <= 0 && *nbytes > 0)) {
+        PyErr_Format(PyExc_ValueError, "%zd bytes in pieces of %zd", *nbytes, *piece);
+        return -1;
+    }
+    return 0;
+}
+
 /* -- the broadcast and the allgather ---------------------------------------------------- */
 /* Copy n bytes, around the caches where `streamed`; without the GIL from a size at which
  * the copy takes longer than handing the GIL over (the agent's threads run meanwhile). */
@@ -449,14 +466,11 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "broadcast(buffer, nbytes, root[, piece, stream_out])");
         return NULL;
     }
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
-    int root = (int)PyLong_AsLong(args[2]);
-    Py_ssize_t piece = nargs == 5 ? PyLong_AsSsize_t(args[3]) : nbytes;
-    int stream_out = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
-    if (PyErr_Occurred() || stream_out < 0 || check_piece(self, piece) < 0)
+    Py_ssize_t nbytes, piece;
+    int stream_out, root = (int)PyLong_AsLong(args[2]);
+    if ((root == -1 && PyErr_Occurred()) || piece_args(self, args, nargs, &nbytes, &piece,
+                                                       &stream_out) < 0)
         return NULL;
-    if (nbytes < 0 || (piece <= 0 && nbytes > 0))
-        return PyErr_Format(PyExc_ValueError, "%zd bytes in pieces of %zd", nbytes, piece);
     if (root < 0 || root >= self->n)
         return PyErr_Format(PyExc_ValueError, "root %d is not a rank of %d", root, self->n);
     char *buf = address(args[0], nbytes, 1);
@@ -543,13 +557,10 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_TypeError, "allgather(send, nbytes, recv[, piece, stream_out])");
         return NULL;
     }
-    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t piece = nargs == 5 ? PyLong_AsSsize_t(args[3]) : nbytes;
-    int stream_out = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
-    if (PyErr_Occurred() || stream_out < 0 || check_piece(self, piece) < 0)
+    Py_ssize_t nbytes, piece;
+    int stream_out;
+    if (piece_args(self, args, nargs, &nbytes, &piece, &stream_out) < 0)
         return NULL;
-    if (nbytes < 0 || (piece <= 0 && nbytes > 0))
-        return PyErr_Format(PyExc_ValueError, "%zd bytes in pieces of %zd", nbytes, piece);
     char *send = address(args[0], nbytes, 0);
     if (send == NULL)
         return NULL;
