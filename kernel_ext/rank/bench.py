@@ -124,7 +124,8 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
             running.append(backend)
     measured: dict[tuple[str, int], dict] = {}
     for size in sizes:
-        steps = {b: _step(op, b, size, ctx) for b in running}
+        buffers = _buffers(op, size, n)
+        steps = {b: _step(op, b, buffers, ctx) for b in running}
         calls = dict.fromkeys(running, max(1, min(_MAX_ITERS, _TIMED_BYTES // size)))
         times: dict[str, list[float]] = {b: [] for b in running}
         first: dict[str, float] = {}  # each backend's time a call in the first warm-up
@@ -223,22 +224,36 @@ def _gloo():
     return _gloo_group
 
 
-def _step(op: str, backend: str, size: int, ctx) -> Callable[[], None]:
-    """One collective of `op` on fresh, page-faulted float32 buffers."""
-    import torch
+def _buffers(op: str, size: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """The send and receive buffers (the same array but for an allgather) of every
+    backend at this size, float32, every page written.
 
-    n, comm = ctx.world_size, ctx.comm
+    One pair for all backends: how a buffer's pages are backed differs between
+    allocations and changes a large collective's speed as much as the backend does
+    (NumPy asks for transparent huge pages from 4 MiB; the kernel grants them as it
+    can: a broadcast of 32 MiB ran 1.5-2x faster on huge pages, mpilab's and MPI's alike),
+    so no backend may have luckier pages than another.
+    """
     count = effective_size(op, size, n) // 4
-    part = count // n if op == "allgather" else count
     # zeros: an allreduce sums in place, hundreds of times; any other value would double
     # each time and overflow (numpy warns on the ranks' stderr), for no difference in speed.
     # Written, not only allocated: np.zeros maps untouched pages to the kernel's one zero
     # page, which a buffer that is only read (a broadcast's root, an allgather's input)
     # would read from cache, whatever its size.
-    send = np.zeros(part, np.float32)
+    send = np.zeros(count // n if op == "allgather" else count, np.float32)
     send.fill(0)
     recv = np.zeros(count, np.float32) if op == "allgather" else send
     recv.fill(0)
+    return send, recv
+
+
+def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray],
+          ctx) -> Callable[[], None]:
+    """One collective of `op` by `backend` on `buffers` (_buffers)."""
+    import torch
+
+    n, comm = ctx.world_size, ctx.comm
+    send, recv = buffers
 
     if backend == "mpi":
         from mpi4py import MPI
