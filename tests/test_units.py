@@ -407,3 +407,40 @@ def test_collective_ledger_reads_many_heartbeats_over_several_checks(monkeypatch
     assert found.startswith("mismatched collectives: rank 0 in allreduce #1 (64 bytes)")
     assert found.endswith("rank 9 in broadcast #1 (8 bytes)") and not ledger.behind
     assert ledger.mismatch(beats) == found and not ledger.behind
+
+
+def _smaps_field(address: int, field: str) -> str:
+    """`field` of the mapping of this process that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == f"{field}:":
+            return line.split()[1]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_kept_buffers_ask_for_huge_pages_from_4_mib():
+    """DataParallel's buckets and fusion's buffers: zeros of the dtype asked, from
+    HUGE_MIN_BYTES on in a mapping aligned to a huge page that the kernel may back with
+    them (where it has transparent huge pages at all); the tensor keeps its mapping."""
+    import gc
+
+    import torch
+    from mpilab.rank.host_memory import HUGE_MIN_BYTES, HUGE_PAGE_BYTES, kept_zeros
+
+    cpu = torch.device("cpu")
+    big = kept_zeros(HUGE_MIN_BYTES // 2 + 3, torch.bfloat16, cpu)
+    assert big.dtype is torch.bfloat16 and big.shape == (HUGE_MIN_BYTES // 2 + 3,)
+    assert not big.any() and big.data_ptr() % HUGE_PAGE_BYTES == 0
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        if "[never]" not in f.read():
+            assert _smaps_field(big.data_ptr(), "THPeligible") == "1"
+    view = kept_zeros(HUGE_MIN_BYTES, torch.float32, cpu)[-10:]
+    gc.collect()
+    view += 1
+    assert view.sum().item() == 10
+    small = kept_zeros(1000, torch.int64, cpu)
+    assert small.dtype is torch.int64 and small.shape == (1000,) and not small.any()

@@ -60,6 +60,7 @@ from .accounting import StepClock, TrafficMeter
 from .compression import CompressedBuckets, CompressedGradSync, Method
 from .compression import resolve as resolve_compression
 from .context import context
+from .host_memory import kept_zeros
 from .waiting import wait_interruptibly
 
 PATHS = ("auto", "mpi", "torch")  # DataParallel's backend argument: how gradients travel
@@ -381,13 +382,14 @@ def _make_buckets(params: list[nn.Parameter], cfg: DataParallelConfig,
     buckets = []
     for index, group in enumerate(groups):
         dtype, device = group[0].dtype, group[0].device
-        flat = torch.zeros(sum(p.numel() for p in group), dtype=dtype, device=device)
+        numel = sum(p.numel() for p in group)
+        flat = kept_zeros(numel, dtype, device)
         slots, offset = [], 0
         for p in group:
             slots.append(flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         wire_dtype = _WIRE_DTYPE.get(cfg.compression, dtype) if dtype.is_floating_point else dtype
-        wire = flat if wire_dtype == dtype else torch.zeros_like(flat, dtype=wire_dtype)
+        wire = flat if wire_dtype == dtype else kept_zeros(numel, wire_dtype, device)
         host = wire if device.type == "cpu" else torch.zeros_like(wire, device="cpu").pin_memory()
         buckets.append(_Bucket(index, group, slots, flat, wire, host, world_size))
     return buckets

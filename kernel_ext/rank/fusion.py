@@ -18,6 +18,7 @@ import torch
 
 from . import reduction, torch_group, waiting
 from .context import context
+from .host_memory import kept_zeros
 
 # Horovod's default; MPILAB_FUSION_THRESHOLD (bytes) or the threshold argument change it.
 FUSION_THRESHOLD_BYTES = int(os.environ.get("MPILAB_FUSION_THRESHOLD", 64 << 20))
@@ -93,7 +94,7 @@ def _fused(device: torch.device, dtype: torch.dtype, numel: int) -> torch.Tensor
         cache = _buffers.cache = {}
     buf = cache.get((device, dtype))
     if buf is None or buf.numel() < numel:
-        buf = cache[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
+        buf = cache[(device, dtype)] = kept_zeros(numel, dtype, device)
     return buf[:numel]
 
 
