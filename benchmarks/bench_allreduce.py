@@ -55,6 +55,8 @@ def main() -> int:
     parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: at least 1 timed repetition is needed")
     launched = relaunch(args.n)
     if launched is not None:
         return launched
