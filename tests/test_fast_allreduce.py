@@ -122,6 +122,26 @@ for way in (0, 1):
         failures.append(f"way {way} allgather")
 engine._ring.way = -1
 
+# The way measured: at a size no call above used (its own power of two), each way is
+# tried once (read, then pipelined); then the deciding rank (a broadcast's root) takes
+# the faster one it knows, and the other again once a second has passed since its try.
+import time
+ring = engine._ring
+x = np.zeros(5 * MiB // 4, np.float32)
+measured_ways, start = [], time.monotonic()
+for _ in range(2):
+    engine.broadcast(x, 0)
+    measured_ways.append(ring.last_way)
+known = ring.known("broadcast", x.nbytes)
+engine.broadcast(x, 0)
+measured_ways.append(ring.last_way)
+quick = time.monotonic() - start < 0.9  # the third call came within a second of both tries
+time.sleep(1.1)
+comm.Barrier()
+known_late = ring.known("broadcast", x.nbytes)
+engine.broadcast(x, 0)
+measured_ways.append(ring.last_way)
+
 # Every rank holds identical bits even when summation order would matter.
 rng = np.random.default_rng(r)
 x = rng.standard_normal(300_001).astype(np.float32)
@@ -154,7 +174,9 @@ freed_ok = y[0] == n * (n + 1) / 2
 
 report_in_turn({"failures": failures, "path": fa.plan_for(comm).path,
         "identical": len(set(digests)) == 1, "errors": errors, "freed_ok": bool(freed_ok),
-        "passes": passes, "read_peers": read_peers, "way_digests": way_digests})
+        "passes": passes, "read_peers": read_peers, "way_digests": way_digests,
+        "rank": r, "measured_ways": measured_ways, "known": known, "known_late": known_late,
+        "quick": quick})
 """
 
 
@@ -171,6 +193,16 @@ def test_shared_memory_path_every_dtype_op_and_size(n):
                                  "barrier": True}
         assert res["read_peers"]  # the read way is there to take, and was taken above
         assert res["way_digests"] == [1, 1]
+        # every rank went the way the root chose; the root knows both ways' rates
+        assert res["measured_ways"] == results[0]["measured_ways"]
+        assert res["measured_ways"][:2] == [1, 0]  # each way tried once: read first
+    root = results[0]
+    assert root["rank"] == 0 and min(root["known"]) > 0
+    faster = 1 if root["known"][1] > root["known"][0] else 0
+    if root["quick"]:  # (else the other way was due for its try)
+        assert root["measured_ways"][2] == faster, root
+    faster_late = 1 if root["known_late"][1] > root["known_late"][0] else 0
+    assert root["measured_ways"][3] == 1 - faster_late, root  # a second on: the other
 
 
 SMALL = """

@@ -108,6 +108,7 @@ typedef struct {
     int broken;
     pid_t *pids;                  /* each rank's pid, NULL where ranks cannot read peers */
     int way;                      /* a large collective's way: -1 measured, else that one */
+    int last_way;                 /* the way the last one that could go either way went */
     Ways ways[WAYS_COUNT];        /* what the deciding rank measured, per collective */
     long long since;              /* when every rank had announced the way in progress */
     PyThread_type_lock lock;
@@ -534,9 +535,12 @@ static PyObject *Ring_broadcast(Ring *self, PyObject *const *args, Py_ssize_t na
         }
         done += n;
     } while (done < nbytes);
-    if (status == 0 && i_am_root && either)
-        record_way(&self->ways[WAYS_BROADCAST], nbytes, way,
-                   way == WAY_READ ? nbytes : nbytes - piece, since);
+    if (status == 0 && either) {
+        self->last_way = way;
+        if (i_am_root)
+            record_way(&self->ways[WAYS_BROADCAST], nbytes, way,
+                       way == WAY_READ ? nbytes : nbytes - piece, since);
+    }
     return leave(self, status);
 }
 
@@ -605,8 +609,11 @@ static PyObject *Ring_allgather(Ring *self, PyObject *const *args, Py_ssize_t na
                                self->slots[2 * r + parity], nbytes - last, stream_out);
         }
     }
-    if (status == 0 && either && me == 0)
-        record_way(&self->ways[WAYS_ALLGATHER], nbytes, way, nbytes, self->since);
+    if (status == 0 && either) {
+        self->last_way = way;
+        if (me == 0)
+            record_way(&self->ways[WAYS_ALLGATHER], nbytes, way, nbytes, self->since);
+    }
     return leave(self, status);
 }
 
@@ -806,9 +813,33 @@ static PyObject *Ring_allreduce_done(Ring *self, PyObject *const *args, Py_ssize
         return NULL;
     if (nbytes <= 0 || (way != WAY_PIPELINED && way != WAY_READ))
         return PyErr_Format(PyExc_ValueError, "no way %d of %zd bytes", way, nbytes);
+    self->last_way = way;
     if (self->me == 0)
         record_way(&self->ways[WAYS_ALLREDUCE], nbytes, way, nbytes, self->since);
     Py_RETURN_NONE;
+}
+
+/* known(collective, nbytes): what the deciding rank knows of each way at that size, as
+ * (pipelined, read) in bytes per ns (GB/s); zeros elsewhere and before a measurement. */
+static PyObject *Ring_known(Ring *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *names[WAYS_COUNT] = {"broadcast", "allgather", "allreduce"};
+    if (nargs != 2 || !PyUnicode_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "known(collective, nbytes)");
+        return NULL;
+    }
+    Py_ssize_t nbytes = PyLong_AsSsize_t(args[1]);
+    if (nbytes == -1 && PyErr_Occurred())
+        return NULL;
+    for (int kind = 0; kind < WAYS_COUNT; kind++)
+        if (PyUnicode_CompareWithASCIIString(args[0], names[kind]) == 0) {
+            if (nbytes <= 0)
+                return PyErr_Format(PyExc_ValueError, "no way of %zd bytes", nbytes);
+            double *rate = self->ways[kind].rate[log2_bucket(nbytes)];
+            return Py_BuildValue("(dd)", rate[WAY_PIPELINED], rate[WAY_READ]);
+        }
+    return PyErr_Format(PyExc_ValueError, "%R is not broadcast, allgather or allreduce",
+                        args[0]);
 }
 
 static PyObject *Ring_arrive(Ring *self, PyObject *unused)
@@ -896,6 +927,8 @@ static PyMethodDef Ring_methods[] = {
      "read_allreduce(buffer, count, type, op): an announced allreduce, the read way"},
     {"allreduce_done", (PyCFunction)(void (*)(void))Ring_allreduce_done, METH_FASTCALL,
      "allreduce_done(nbytes, way): rank 0 records the announced way's time"},
+    {"known", (PyCFunction)(void (*)(void))Ring_known, METH_FASTCALL,
+     "known(collective, nbytes): (pipelined, read) GB/s the deciding rank knows at that size"},
     {"__enter__", (PyCFunction)Ring_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Ring_exit, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
@@ -911,6 +944,8 @@ static PyMemberDef Ring_members[] = {
     {"way", T_INT, offsetof(Ring, way), 0,
      "the way of a collective above one piece, as the rank that decides picks it: -1 by "
      "measurement, 0 pipelined through the slots, 1 read out of the other ranks' memory"},
+    {"last_way", T_INT, offsetof(Ring, last_way), READONLY,
+     "the way the last collective that could go either way went (0 or 1), -1 before one"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -929,7 +964,7 @@ static int Ring_init(Ring *self, PyObject *args, PyObject *kwds)
                                      &self->check_abort, &self->wait_release, &self->refuse,
                                      &keep, &pids))
         return -1;
-    self->way = -1;
+    self->way = self->last_way = -1;
     Py_INCREF(self->check_abort);
     Py_INCREF(self->wait_release);
     Py_INCREF(self->refuse);
