@@ -412,13 +412,14 @@ def test_collective_ledger_reads_many_heartbeats_over_several_checks(monkeypatch
 def _smaps_field(address: int, field: str) -> str:
     """`field` of the mapping of this process that holds `address` (/proc/self/smaps)."""
     inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == f"{field}:":
-            return line.split()[1]
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == f"{field}:":
+                return line.split()[1]
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
