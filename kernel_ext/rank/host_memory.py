@@ -5,7 +5,7 @@ Why: on one node the large collectives move their bytes between processes
 (process_vm_readv, MPI's cross-memory attach) or through shared slots, and both go
 faster on 2 MiB pages than on 4 KiB ones, which the kernel must look up and pin one by
 one: a 32 MiB broadcast ran 1.5-2x faster, mpilab's and MPI's alike, and a 25 MiB
-allreduce read from the other rank's buffer 25-40% faster (one-off measurements,
+allreduce read from the other rank's buffer 15-45% faster (one-off measurements,
 docs/performance.md). torch's CPU allocator does not ask for huge pages, and most
 kernels give them only where asked (`madvise` mode), so these buffers ask themselves.
 """
