@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from browser_fixtures import browser, lab, page  # noqa: F401 - the browser tests'
 from cluster import emulated_cluster  # noqa: F401 - the session's emulated hosts
 from kernel import Kernel
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import nbformat
 
 CHROMIUM = Path("/usr/bin/chromium")
+BUILD = Path(__file__).resolve().parents[1] / "build"  # screenshots, what a check saw
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--no-first-run", "--disable-sync"]
 JUPYTER = Path(sys.executable).parent / "jupyter"
@@ -133,6 +134,37 @@ def chromium() -> Iterator:
             yield browser
         finally:
             browser.close()
+
+
+def require_chromium() -> None:
+    """The browser tests' guard, called at import: without Debian's chromium they skip
+    locally and fail in CI (which installs it), saying what to install."""
+    if CHROMIUM.exists():
+        return
+    if os.environ.get("CI"):
+        raise RuntimeError(f"{CHROMIUM} is missing; CI installs it with "
+                           "`apt-get install -y chromium`")
+    import pytest
+
+    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium); browser tests skipped "
+                "outside CI", allow_module_level=True)
+
+
+@contextmanager
+def fresh_page(browser, lab: Lab, name: str) -> Iterator:
+    """A page in a browser context of its own. On the way out, whatever happened: the
+    page's last state to build/NAME-last.png (in CI, the only clue to a failure), the
+    context closed and the lab's kernels shut down (the mpilab extension stops their
+    ranks), so the next test starts on a quiet machine."""
+    BUILD.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    try:
+        yield page
+    finally:
+        page.screenshot(path=str(BUILD / f"{name}-last.png"), full_page=True)
+        context.close()
+        lab.shutdown_kernels()
 
 
 # -- driving a notebook --------------------------------------------------------------------

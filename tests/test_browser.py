@@ -10,61 +10,23 @@ Without /usr/bin/chromium the tests skip locally, never in CI.
 from __future__ import annotations
 
 import json
-import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from jupyter_lab import (
-    CHROMIUM,
-    Lab,
+    BUILD,
     cell,
-    chromium,
     is_running,
     open_notebook,
+    require_chromium,
     run_cell,
-    running_lab,
     wait_cell_done,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build"
-
 pytestmark = pytest.mark.timeout(300)
 
-if not CHROMIUM.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing; CI installs it with "
-                           "`apt-get install -y chromium`")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium); browser tests skipped "
-                "outside CI", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Iterator[Lab]:
-    with running_lab(tmp_path_factory.mktemp("lab")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as running:
-        yield running
-
-
-@pytest.fixture
-def page(browser, lab, request):
-    BUILD.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    try:
-        yield page
-    finally:
-        # the last state of the page, for when a test fails (in CI, the only clue)
-        page.screenshot(path=str(BUILD / f"{request.node.name}-last.png"), full_page=True)
-        context.close()
-        lab.shutdown_kernels()  # the next test starts on a quiet machine
+require_chromium()
 
 
 def trace_lengths(page, index: int) -> list[list[int]]:

@@ -8,26 +8,20 @@ chromium under Playwright, offline, every request that is not the file refused.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_lab import CHROMIUM, chromium
+from jupyter_lab import chromium, require_chromium
 from mpilab.widgets.plotting import _PLOTLYJS_TAG
 
 MPILAB = str(Path(sys.executable).parent / "mpilab")
 
 pytestmark = pytest.mark.timeout(300)
 
-if not CHROMIUM.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing; CI installs it with "
-                           "`apt-get install -y chromium`")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium); browser tests skipped "
-                "outside CI", allow_module_level=True)
+require_chromium()
 
 CELLS = [
     "%mpilab start -n 2",

@@ -20,23 +20,19 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from jupyter_lab import (
-    CHROMIUM,
-    Lab,
+    BUILD,
     cell,
-    chromium,
+    fresh_page,
     open_notebook,
+    require_chromium,
     run_cell,
-    running_lab,
     wait_cell_done,
 )
 
-REPO = Path(__file__).resolve().parents[1]
-BUILD = REPO / "build"
 # the status table shows a dead rank at its next tick: a local rank's process is checked
 # then; a rank the notebook cannot see is "cannot be reached" after the watchdog's 5 s of
 # silence. Both within this (a tick is 0.7 s; the browser may be slow to paint)
@@ -44,37 +40,7 @@ DEAD_SHOWN_WITHIN_S = 5.0 + 3.0
 
 pytestmark = pytest.mark.timeout(400)
 
-if not CHROMIUM.exists():
-    if os.environ.get("CI"):
-        raise RuntimeError(f"{CHROMIUM} is missing; CI installs it with "
-                           "`apt-get install -y chromium`")
-    pytest.skip(f"{CHROMIUM} is missing (apt-get install -y chromium); browser tests skipped "
-                "outside CI", allow_module_level=True)
-
-
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory) -> Iterator[Lab]:
-    with running_lab(tmp_path_factory.mktemp("lab-views")) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as running:
-        yield running
-
-
-@pytest.fixture
-def page(browser, lab, request):
-    BUILD.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    try:
-        yield page
-    finally:
-        page.screenshot(path=str(BUILD / f"{request.node.name}-last.png"), full_page=True)
-        context.close()
-        lab.shutdown_kernels()  # the extension stops the kernel's ranks
+require_chromium()
 
 
 def shot(page, name: str, index: int, output: int = 0) -> None:
@@ -365,19 +331,12 @@ SIM_CELLS = [SIM_SETUP, SIM_BAND, SIM_BEHIND, SIM_STATUS, SIM_OUTPUT, SIM_OUTPUT
 @pytest.fixture(scope="module")
 def sim_page(browser, lab):
     """The simulated-ranks notebook, open, its setup cell run."""
-    BUILD.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    name = lab.write_notebook("views_scale.ipynb", SIM_CELLS)
-    open_notebook(page, lab, name)
-    run_cell(page, 0)
-    wait_cell_done(page, 0)
-    try:
+    with fresh_page(browser, lab, "views_scale") as page:
+        name = lab.write_notebook("views_scale.ipynb", SIM_CELLS)
+        open_notebook(page, lab, name)
+        run_cell(page, 0)
+        wait_cell_done(page, 0)
         yield page
-    finally:
-        page.screenshot(path=str(BUILD / "views_scale-last.png"), full_page=True)
-        context.close()
-        lab.shutdown_kernels()
 
 
 def plot_traces(page, index: int) -> list[dict]:
