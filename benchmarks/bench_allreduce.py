@@ -39,7 +39,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from ranks import relaunch
+from ranks import relaunch, sizes_or_exit
 
 MIB = 1 << 20
 NAMES = {"mpilab": "mpilab", "mpilab-internal": "internal", "mpi": "mpi4py", "gloo": "gloo"}
@@ -57,17 +57,19 @@ def main() -> int:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1 timed repetition is needed")
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = sorted(set(ops) - {"allreduce", "broadcast", "allgather"})
+    if unknown or not ops:
+        parser.error(f"--ops {args.ops!r}: choose from allreduce, broadcast, allgather")
+    sizes = sizes_or_exit(parser, args.sizes)
     launched = relaunch(args.n)
     if launched is not None:
         return launched
 
     import mpilab
     from mpilab.rank import bench
-    from mpilab.wire import parse_sizes
 
     ctx = mpilab.init()
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    sizes = parse_sizes(args.sizes)
     load_before = os.getloadavg()
     # allreduce: with the memory bound timed in turn with the collectives (bench.py)
     rows = {op: bench.run_bench(op, sizes, list(NAMES) + (["memory"] if op == "allreduce"

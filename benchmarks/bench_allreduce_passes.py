@@ -28,7 +28,7 @@ import statistics
 import sys
 import time
 
-from ranks import relaunch
+from ranks import relaunch, sizes_or_exit
 
 PASSES = ("copy in", "reduce", "copy out", "barrier")
 
@@ -39,6 +39,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     args = parser.parse_args()
+    sizes = sizes_or_exit(parser, args.sizes)
     launched = relaunch(args.n)
     if launched is not None:
         return launched
@@ -49,7 +50,6 @@ def main() -> int:
     from mpilab.rank.bench import memcpy_figures
     from mpilab.rank.collectives import private_comm
     from mpilab.rank.fast_allreduce import plan_for
-    from mpilab.wire import parse_sizes
 
     ctx = mpilab.init()
     comm, n = ctx.comm, ctx.world_size
@@ -72,7 +72,7 @@ def main() -> int:
               f"median of {args.repeats}")
         print(f"{'size':>5} {'allreduce':>16} {'of figure':>9} {'(timed)':>8}  " + "  ".join(
             f"{name:>16}" for name in PASSES))
-    for size in parse_sizes(args.sizes):
+    for size in sizes:
         tensor = torch.ones(size // 4)
         mpilab.allreduce(tensor)  # its plan, and its pages, made untimed
         plain: list[float] = []

@@ -26,7 +26,7 @@ import statistics
 import sys
 import time
 
-from ranks import relaunch
+from ranks import relaunch, sizes_or_exit
 
 PIECES = [2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10]
 
@@ -37,6 +37,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=12)
     parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     args = parser.parse_args()
+    sizes = sizes_or_exit(parser, args.sizes)
     launched = relaunch(args.n)
     if launched is not None:
         return launched
@@ -44,7 +45,6 @@ def main() -> int:
     import numpy as np
     from mpi4py import MPI
     from mpilab.rank.shm import ShmEngine
-    from mpilab.wire import parse_sizes
 
     comm = MPI.COMM_WORLD
     n = comm.Get_size()
@@ -61,7 +61,7 @@ def main() -> int:
         print(f"{'':9} {'size':>6} " + " ".join(
             f"{_label(p):>8}" for p in names))
     for op in ("allgather", "broadcast"):
-        for size in parse_sizes(args.sizes):
+        for size in sizes:
             part = size // n if op == "allgather" else size
             send = np.zeros(part // 4, np.float32)
             send.fill(0)

@@ -17,3 +17,14 @@ def relaunch(n: int) -> int | None:
         return None
     mpiexec = Path(sys.executable).parent / "mpiexec"
     return subprocess.call([str(mpiexec), "-n", str(n), sys.executable, *sys.argv])
+
+
+def sizes_or_exit(parser, spec: str) -> list[int]:
+    """`--sizes` read once, before any rank starts: a bad one is one line from the
+    parser, not a traceback on every rank."""
+    from mpilab.wire import parse_sizes
+
+    try:
+        return parse_sizes(spec)
+    except ValueError as err:
+        parser.error(str(err))

@@ -100,6 +100,10 @@ def test_broadcast_and_allgather_over_shared_memory_every_size_and_dtype(plans: 
         assert got["scalar"] == [0.0, 1.0]
         assert got["out"] == [[True, True], [1.0, 2.0]]
         assert got["out_strided"] == [0.0, 1.0]
+        # one buffer filled again and again, also after its storage changed under it
+        assert got["gathers"] == [[0.0, 1.0], [1.0, 2.0], [2.0, 3.0], [10.0, 11.0],
+                                  "allgather's out is [2, 4] torch.float32 on cpu, but the "
+                                  "result is [2, 3] torch.float32 on cpu"]
         assert got["out_error"].startswith("allgather's out is [2, 4] torch.float32")
         assert "\n" not in got["out_error"]
 
@@ -113,6 +117,11 @@ def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: li
         first = rows[0][0][1]
         assert rows == [[[24, first]], [[24, first + 1]], [[24, first + 2]]]
     assert plans[0]["heartbeat"] == [["allreduce", "4x1x2", 32]]
+    # a tensor's collectives again, by its plan: numbered and in spans just the same
+    for got in plans:
+        assert got["planned_seq"] == 6
+        assert got["planned_spans"] == ["allreduce", "broadcast", "allgather"] * 2
+        assert got["planned_numbers"] == [1, 2, 3, 4, 5, 6]
     # a planned collective on another thread leaves a span and takes no number
     assert all(got["off_main"] == [0, [["allreduce", "comm"], ["broadcast", "comm"]]]
                for got in plans), [got["off_main"] for got in plans]

@@ -29,7 +29,7 @@ from ..wire import HEARTBEAT, encode  # the channel's schema and its encoder
 
 # the context of one collective: a C type, since it is on the path of every collective,
 # and a small one takes a fraction of a microsecond
-from ._collective import Collective
+from ._collective import Collective, follow
 
 HEARTBEAT_INTERVAL_S = 0.5
 # Records leave in batches at wall-clock multiples of this, the same moments on every
@@ -265,6 +265,7 @@ def _rss_bytes() -> int:
 
 
 _agent: Agent | None = None
+follow(sys.modules[__name__])  # a planned collective's context checks _agent, _main_ident
 
 
 def current() -> Agent:

@@ -283,12 +283,13 @@ def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray],
         tensors = (t_send, t_recv)
         plan = collectives.tensor_plan(t_send)
         if op == "allreduce":
-            run = plan.small.get("sum") or plan.reducer("sum")
+            run = plan.reducer("sum")
             return lambda tensors=tensors: run()
         if op == "broadcast":
-            return lambda tensors=tensors: plan.broadcast(0)
-        target = collectives.tensor_plan(t_recv)
-        return lambda tensors=tensors: plan.gather(target.ptr)
+            run = plan.broadcaster(0)
+            return lambda tensors=tensors: run()
+        run = plan.gatherer(collectives.tensor_plan(t_recv))
+        return lambda tensors=tensors: run()
 
     import torch.distributed as dist
 

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from . import reduction, torch_group, waiting
+from ._collective import planned, run_planned
 from .context import context, is_initialized
 from .fast_allreduce import plan_for, reducer
 from .fusion import grouped_allreduce
@@ -128,13 +129,16 @@ def _as_bytes(buf: torch.Tensor) -> Any:
 class TensorPlan:
     """How one CPU tensor travels on mpilab's MPI path: made at its first collective and
     kept while the tensor lives with the same storage, shape and dtype, contiguous (checked
-    at every call, about 0.4 µs).
+    at every call, in C: ``_collective.planned``).
 
     Why: a collective on a small tensor takes well under a microsecond on shared memory
     (the engine's one-piece collectives, in C, bound here to the tensor's address), and
     what a call would otherwise redo each time (a NumPy view, the byte count, the
     shape's text, the choice of path) costs several times that. A tensor reduced again
-    and again (a metric every step, a buffer) pays for them once.
+    and again (a metric every step, a buffer) pays for them once. Its reductions (by op),
+    broadcasts (by root) and gathers into a tensor with a plan (by its id) are kept as
+    (kept context, function) pairs (a gather's with the receiving tensor's plan), which
+    ``_collective.run_planned`` runs in one call from the public functions.
 
     The NumPy views do not own the tensor's memory (an owning view would keep the
     tensor alive from this cache); they are used only once the checks have shown that
@@ -143,14 +147,14 @@ class TensorPlan:
 
     __slots__ = ("ref", "ptr", "shape", "dtype", "nbytes", "size", "raw", "array",
                  "mean", "reduce", "broadcast", "gather", "gathered_shape",
-                 "engine", "small", "contexts")
+                 "engine", "reductions", "broadcasts", "gathers", "contexts")
 
     def reducer(self, op: str) -> Callable[[], None]:
         """The function that reduces the tensor in place for `op` (sum, mean, max, min;
         a mean sums, then divides): the shared-memory engine's one-piece allreduce of
         this buffer where it fits, else the path's general function. Made once per op."""
-        run = self.small.get(op)
-        if run is None:
+        entry = self.reductions.get(op)
+        if entry is None:
             wire_op, engine = WIRE_OP[op], self.engine
             run = engine.small_allreduce(self.ptr, self.array.dtype, self.array.size,
                                          wire_op) if engine is not None else None
@@ -158,8 +162,28 @@ class TensorPlan:
                 run = functools.partial(self.reduce, self.array, wire_op)
             if op == "mean":
                 run = functools.partial(_then, run, functools.partial(self.mean, self.array))
-            self.small[op] = run
-        return run
+            entry = self.reductions[op] = (self.contexts["allreduce"], run)
+        return entry[1]
+
+    def broadcaster(self, root: int) -> Callable[[], None]:
+        """The function that broadcasts the tensor from `root` (a rank). Made once per root."""
+        entry = self.broadcasts.get(root)
+        if entry is None:
+            entry = self.broadcasts[root] = (self.contexts["broadcast"],
+                                             functools.partial(self.broadcast, root))
+        return entry[1]
+
+    def gatherer(self, target: TensorPlan) -> Callable[[], None]:
+        """The function that gathers every rank's tensor into `target`'s tensor (of shape
+        gathered_shape and this dtype, with a plan). Made once per receiving plan."""
+        key = id(target.ref())
+        entry = self.gathers.get(key)
+        if entry is None or entry[2] is not target:
+            if len(self.gathers) >= 16:
+                self.gathers.clear()
+            entry = self.gathers[key] = (self.contexts["allgather"],
+                                         functools.partial(self.gather, target.ptr), target)
+        return entry[1]
 
 
 def _then(first: Callable[[], None], second: Callable[[], None]) -> None:
@@ -175,10 +199,8 @@ def tensor_plan(tensor: Any) -> TensorPlan | None:
     """The plan of a CPU tensor for mpilab's MPI path, made at the first call; None for
     anything the general path takes (a list, a GPU, empty or non-contiguous tensor, a
     process without mpilab)."""
-    plan = _plans.get(id(tensor))
-    if (plan is not None and plan.ref() is tensor
-            and tensor.data_ptr() == plan.ptr and tensor.shape == plan.shape
-            and tensor.dtype is plan.dtype and tensor.is_contiguous()):
+    plan = planned(_plans, tensor)
+    if plan is not None:
         return plan
     if (not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
             or tensor.layout != torch.strided or not tensor.is_contiguous()
@@ -209,7 +231,7 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
     route = plan_for(comm)
     plan.reduce = reducer(comm)
     plan.engine = route.node if route.path == "shm" else None
-    plan.small = {}
+    plan.reductions, plan.broadcasts, plan.gathers = {}, {}, {}
     # the main thread's heartbeat and span context of each collective (waiting.reuse)
     plan.contexts = {kind: waiting.kept_collective(kind, plan.nbytes, plan.shape)
                      for kind in ("allreduce", "broadcast", "allgather")}
@@ -266,11 +288,14 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
 
     op: sum | mean | max | min (the mean of integer tensors rounds down).
     """
+    if backend in _HOST_TRANSPORTS and run_planned(_plans, tensor, "reductions", op):
+        return tensor  # a CPU tensor over mpilab's MPI path, by its plan, in one C call
     plan = tensor_plan(tensor)
     if plan is not None and plan.array is not None and backend in _HOST_TRANSPORTS \
             and op in WIRE_OP:
-        # a CPU tensor over mpilab's MPI path: its plan, no per-call views or strings
-        waiting.reuse(plan.contexts["allreduce"]).run(plan.small.get(op) or plan.reducer(op))
+        # its plan's first call for `op`, or not on the main thread: no per-call views or
+        # strings either
+        waiting.reuse(plan.contexts["allreduce"]).run(plan.reducer(op))
         return tensor
     context()
     reduction.check_reduce_op(op)
@@ -306,9 +331,11 @@ def _torch_allreduce(tensor: torch.Tensor, op: str) -> None:
 
 def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> torch.Tensor:
     """Copy rank `root`'s `tensor` into `tensor` on every rank; returns it."""
+    if backend in _HOST_TRANSPORTS and run_planned(_plans, tensor, "broadcasts", root):
+        return tensor  # as allreduce does
     plan = tensor_plan(tensor)
     if plan is not None and backend in _HOST_TRANSPORTS and 0 <= root < plan.size:
-        waiting.reuse(plan.contexts["broadcast"]).run(plan.broadcast, root)
+        waiting.reuse(plan.contexts["broadcast"]).run(plan.broadcaster(root))
         return tensor
     ctx = context()
     if not 0 <= root < ctx.world_size:
@@ -338,18 +365,21 @@ def allgather(tensor: torch.Tensor, backend: str = "auto",
     reused across calls costs no allocation, which for tensors of tens of MiB means
     thousands of page faults per call.
     """
+    if out is not None and backend in _HOST_TRANSPORTS \
+            and run_planned(_plans, tensor, "gathers", id(out), out):
+        return out  # as allreduce does
     plan = tensor_plan(tensor)
     if plan is not None and backend in _HOST_TRANSPORTS:
         if out is None:
             out = torch.empty(plan.gathered_shape, dtype=plan.dtype)
-            recv = out.data_ptr()
+            run = functools.partial(plan.gather, out.data_ptr())
         else:
             target = tensor_plan(out)
             if (target is None or target.shape != plan.gathered_shape
                     or target.dtype is not plan.dtype):
                 return _allgather(tensor, backend, out)
-            recv = target.ptr
-        waiting.reuse(plan.contexts["allgather"]).run(plan.gather, recv)
+            run = plan.gatherer(target)
+        waiting.reuse(plan.contexts["allgather"]).run(run)
         return out
     return _allgather(tensor, backend, out)
 

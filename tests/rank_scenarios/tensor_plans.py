@@ -121,6 +121,38 @@ def main(ctx: Any, report: Any) -> None:
              for rec in wire.tabulate(r, list(probe._queue)) if rec.get("of") == "span"]
     out["spans"] = [[labels, [[int(v) for v in row] for row in rows]] for labels, rows in spans]
     out["seq"] = probe.state.seq - seq0
+    # the same tensors again, each now by its plan in one call (_collective.run_planned):
+    # the same numbered spans
+    gathered = torch.empty(n, 2, 3)
+    mpilab.allgather(m, out=gathered)
+    probe._queue.clear()
+    seq0 = probe.state.seq
+    for _ in range(2):
+        mpilab.allreduce(m)
+        mpilab.broadcast(m)
+        mpilab.allgather(m, out=gathered)
+    numbered = sorted((int(row[4]) - seq0, rec["labels"][0])
+                      for rec in wire.tabulate(r, list(probe._queue)) if rec.get("of") == "span"
+                      for row in np.frombuffer(rec["data"]).reshape(-1, 5))
+    out["planned_spans"] = [label for _, label in numbered]
+    out["planned_numbers"] = [number for number, _ in numbered]
+    out["planned_seq"] = probe.state.seq - seq0
+    # one tensor gathered again and again into one buffer; then the buffer gets new
+    # storage under the same object, then a new shape
+    src, into = torch.zeros(3), torch.zeros(n, 3)
+    gathers = []
+    for i in range(3):
+        src.fill_(r + i)
+        gathers.append(mpilab.allgather(src, out=into)[:, 0].tolist())
+    into.data = torch.zeros(n, 3)
+    src.fill_(r + 10)
+    gathers.append(mpilab.allgather(src, out=into)[:, 0].tolist())
+    into.data = torch.zeros(n, 4)
+    try:
+        mpilab.allgather(src, out=into)
+    except ValueError as e:
+        gathers.append(str(e).split(":")[0])
+    out["gathers"] = gathers
     # the same tensors' collectives from another thread: spans, not numbers (the plan's
     # kept contexts are the main thread's)
     probe._queue.clear()
