@@ -62,10 +62,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: at least 1 timed repetition is needed")
+    from mpilab.wire import BENCH_COLLECTIVES
+
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    unknown = sorted(set(ops) - {"allreduce", "broadcast", "allgather"})
-    if unknown or not ops:
-        parser.error(f"--ops {args.ops!r}: choose from allreduce, broadcast, allgather")
+    if not ops or not set(ops) <= set(BENCH_COLLECTIVES):
+        parser.error(f"--ops {args.ops!r}: choose from {', '.join(BENCH_COLLECTIVES)}")
     sizes = sizes_or_exit(parser, args.sizes)
     launched = relaunch(args.n)
     if launched is not None:

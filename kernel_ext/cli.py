@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .wire import BENCH_RESULT_PREFIX
+from .wire import BENCH_COLLECTIVES, BENCH_RESULT_PREFIX
 
 KERNEL_NAME = "mpilab"
 KERNEL_DISPLAY_NAME = "Python (mpilab)"
@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel.set_defaults(func=cmd_install_kernel)
 
     bench = sub.add_parser("bench", help="measure a collective across ranks")
-    bench.add_argument("op", choices=["allreduce", "broadcast", "allgather"])
+    bench.add_argument("op", choices=BENCH_COLLECTIVES)
     bench.add_argument("-n", type=int, default=2, help="ranks (default 2)")
     bench.add_argument("--sizes", default="4K:64M",
                        help="message sizes: every power of two from:to (default 4K:64M)")

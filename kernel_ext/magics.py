@@ -15,7 +15,7 @@ from .cluster import ClusterConfig, ClusterError
 from .placement import SlurmSettings
 from .selection import parse_ranks
 from .session import Session
-from .wire import DEFAULT_COLLECTIVE_TIMEOUT_S
+from .wire import BENCH_COLLECTIVES, DEFAULT_COLLECTIVE_TIMEOUT_S
 
 # each subcommand, what it does in one line (`%mpilab?` and `%mpilab help` list them)
 SUMMARIES = {
@@ -232,7 +232,7 @@ class MpilabMagics(Magics):
               if mode == "on" else "mpilab: cells run in the notebook again")
 
     @magic_arguments(name="mpilab bench")
-    @argument("op", choices=["allreduce", "broadcast", "allgather"],
+    @argument("op", choices=BENCH_COLLECTIVES,
               help="the collective to measure: allreduce, broadcast or allgather")
     @argument("--sizes", default="4K:64M", metavar="SIZES",
               help="message sizes: every power of two from:to (default 4K:64M)")

@@ -208,6 +208,7 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 
 # -- `mpilab bench`: rank 0's measurements, one line that the command reads ----------------
 BENCH_RESULT_PREFIX = "mpilab-bench-result "  # then {"rows": [...], "ceiling": GB/s} as JSON
+BENCH_COLLECTIVES = ("allreduce", "broadcast", "allgather")
 BENCH_BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 

@@ -122,6 +122,9 @@ def test_collectives_leave_numbered_spans_and_heartbeats_format_shapes(plans: li
         assert got["planned_seq"] == 6
         assert got["planned_spans"] == ["allreduce", "broadcast", "allgather"] * 2
         assert got["planned_numbers"] == [1, 2, 3, 4, 5, 6]
+        # the one C call: taken for a planned op on the main thread (the sum ran again: 2 + 2),
+        # not for an op or root without an entry, another thread, or a resized tensor
+        assert got["taken"] == [True, False, False, False, False, [[4.0, 4.0], [4.0, 4.0]]]
     # a planned collective on another thread leaves a span and takes no number
     assert all(got["off_main"] == [0, [["allreduce", "comm"], ["broadcast", "comm"]]]
                for got in plans), [got["off_main"] for got in plans]

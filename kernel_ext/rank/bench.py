@@ -32,11 +32,11 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..wire import BENCH_COLLECTIVES as COLLECTIVES
 from ..wire import check_backends
 from .context import context
 from .waiting import wait_interruptibly
 
-COLLECTIVES = ("allreduce", "broadcast", "allgather")
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _WARMUP = 2
 # Each timed repetition runs back-to-back collectives moving about this many bytes (at

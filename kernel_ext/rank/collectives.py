@@ -179,7 +179,7 @@ class TensorPlan:
         key = id(target.ref())
         entry = self.gathers.get(key)
         if entry is None or entry[2] is not target:
-            if len(self.gathers) >= 16:
+            if len(self.gathers) >= _MAX_GATHER_TARGETS:
                 self.gathers.clear()
             entry = self.gathers[key] = (self.contexts["allgather"],
                                          functools.partial(self.gather, target.ptr), target)
@@ -192,6 +192,7 @@ def _then(first: Callable[[], None], second: Callable[[], None]) -> None:
 
 
 _plans: dict[int, TensorPlan] = {}
+_MAX_GATHER_TARGETS = 16  # receiving buffers a plan keeps a gather for at once
 _MAX_PLANS = 4096  # tensors whose plans are kept at once (a plan goes with its tensor)
 
 

@@ -41,6 +41,7 @@ from threading import get_ident
 from typing import Any
 
 from . import agent as agent_mod
+from ._collective import kept_here
 
 # Spin briefly first (small messages finish in microseconds), then back off.
 _SPIN_S = 0.0002
@@ -197,8 +198,9 @@ def reuse(kept: agent_mod.Collective) -> agent_mod.Collective:
     """`kept` where it applies: on the main thread, with the agent it was made for (a
     context is entered by one thread at a time, and the main thread's collectives never
     nest). Elsewhere a fresh one, as `collective` makes. A small collective on shared
-    memory takes a fraction of a microsecond: making a context for it would cost more."""
-    if get_ident() == agent_mod._main_ident[0] and kept.agent is agent_mod._agent:
+    memory takes a fraction of a microsecond: making a context for it would cost more.
+    (The rule is `_collective.kept_here`'s, which `run_planned` applies too.)"""
+    if kept_here(kept):
         return kept
     return collective(kept.op, kept.nbytes, kept.shape)
 

@@ -16,6 +16,7 @@ import torch
 from mpilab import wire
 from mpilab.rank import agent as agent_mod
 from mpilab.rank import collectives, waiting
+from mpilab.rank._collective import run_planned
 from mpilab.rank.fast_allreduce import plan_for
 
 
@@ -137,6 +138,23 @@ def main(ctx: Any, report: Any) -> None:
     out["planned_spans"] = [label for _, label in numbered]
     out["planned_numbers"] = [number for number, _ in numbered]
     out["planned_seq"] = probe.state.seq - seq0
+    # which calls take that one C call: a planned op on the main thread does (and runs
+    # the allreduce, on every rank alike); an op, a root or a thread it has no entry or
+    # kept context for, or a tensor changed under its plan, does nothing and says so
+    plans = collectives._plans
+    q = torch.ones(4)
+    mpilab.allreduce(q)
+    taken = [run_planned(plans, q, "reductions", "sum"),
+             run_planned(plans, q, "reductions", "max"),
+             run_planned(plans, q, "broadcasts", n)]
+    elsewhere = []
+    worker = threading.Thread(target=lambda: elsewhere.append(
+        run_planned(plans, q, "reductions", "sum")))
+    worker.start()
+    worker.join()
+    q.resize_(2, 2)
+    out["taken"] = [*taken, *elsewhere, run_planned(plans, q, "reductions", "sum"),
+                    q.tolist()]
     # one tensor gathered again and again into one buffer; then the buffer gets new
     # storage under the same object, then a new shape
     src, into = torch.zeros(3), torch.zeros(n, 3)
