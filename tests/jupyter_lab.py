@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import nbformat
@@ -155,16 +155,17 @@ def fresh_page(browser, lab: Lab, name: str) -> Iterator:
     """A page in a browser context of its own. On the way out, whatever happened: the
     page's last state to build/NAME-last.png (in CI, the only clue to a failure), the
     context closed and the lab's kernels shut down (the mpilab extension stops their
-    ranks), so the next test starts on a quiet machine."""
+    ranks), so the next test starts on a quiet machine. Each step runs even where the one
+    before it failed (a crashed page cannot be drawn)."""
     BUILD.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": 1400, "height": 1000})
-    page = context.new_page()
-    try:
+    with ExitStack() as on_exit:  # last in, first out
+        on_exit.callback(lab.shutdown_kernels)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        on_exit.callback(context.close)
+        page = context.new_page()
+        on_exit.callback(page.screenshot, path=str(BUILD / f"{name}-last.png"),
+                         full_page=True)
         yield page
-    finally:
-        page.screenshot(path=str(BUILD / f"{name}-last.png"), full_page=True)
-        context.close()
-        lab.shutdown_kernels()
 
 
 # -- driving a notebook --------------------------------------------------------------------
