@@ -361,7 +361,7 @@ class RankCluster:
             held.close()
         if not fast:
             _wait_for_exit(launched, timeout=ENGINE_EXIT_WAIT_S)
-        _kill_survivors(launched, grace=0)
+        _kill_survivors(launched)
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:
@@ -486,14 +486,40 @@ def _launched_processes(cluster) -> list:
 
 
 ENGINE_EXIT_WAIT_S = 3.0
+_EXIT_POLL_S = 0.02
 
 
-def _wait_for_exit(procs: list, timeout: float) -> None:
-    """Wait until the engines and mpiexec (not the controller) have exited here."""
+def _wait_for_exit(procs: list, timeout: float) -> list:
+    """Wait until the engines and mpiexec (not the controller) have exited here; the
+    ones still running after `timeout` s."""
+    engines = [p for p in procs if "controller_main" not in " ".join(_cmdline(p))]
+    return _wait_gone(engines, timeout)
+
+
+def _wait_gone(procs: list, timeout: float) -> list:
+    """The processes of `procs` still running after up to `timeout` s, checked every
+    20 ms. A zombie counts as gone; this process's own children are reaped.
+    psutil.wait_procs notices a process that is not our child by polling with a
+    growing sleep, one process after another: seconds for a tree that ended at once."""
+    deadline = time.monotonic() + timeout
+    alive = list(procs)
+    while True:
+        alive = [p for p in alive if not _gone(p)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(_EXIT_POLL_S)
+
+
+def _gone(proc) -> bool:
     import psutil
 
-    engines = [p for p in procs if "controller_main" not in " ".join(_cmdline(p))]
-    psutil.wait_procs([p for p in engines if p.is_running()], timeout=timeout)
+    try:
+        proc.wait(timeout=0)  # reaps our own child; for another's, raises while it exists
+        return True
+    except psutil.TimeoutExpired:
+        return not engine_alive(proc)
+    except (psutil.Error, ChildProcessError):
+        return True
 
 
 SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
@@ -549,19 +575,17 @@ def _remove_cluster_files(cluster) -> None:
         path.unlink(missing_ok=True)
 
 
-def _kill_survivors(procs: list, grace: float = 3.0) -> None:
-    """Kill, by pid, what ipyparallel's stop left running (after `grace` seconds)."""
+def _kill_survivors(procs: list) -> None:
+    """Kill, by pid, what is still running of `procs`, and wait for it to go."""
     import psutil
 
-    alive = [p for p in procs if p.is_running()]
-    if alive and grace > 0:
-        _, alive = psutil.wait_procs(alive, timeout=grace)
+    alive = [p for p in procs if not _gone(p)]
     for p in alive:
         try:
             p.kill()
         except psutil.Error:
             pass
-    psutil.wait_procs(alive, timeout=5)
+    _wait_gone(alive, timeout=5)
 
 
 def _quiet_log() -> logging.Logger:

@@ -36,6 +36,9 @@ class Lifeline:
         self.address = f"{ip}:{self._listener.getsockname()[1]}"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ)
+        # close() writes to one end so the beating thread leaves its wait at once
+        self._wake, self._woken = socket.socketpair()
+        self._selector.register(self._woken, selectors.EVENT_READ)
         self._held: list[socket.socket] = []
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="mpilab-lifeline")
@@ -51,6 +54,8 @@ class Lifeline:
             for key, _ in self._selector.select(timeout=max(0.0, next_beat - time.monotonic())):
                 if key.fileobj is self._listener:
                     self._accept()
+                elif key.fileobj is self._woken:
+                    continue
                 else:  # a holder closed its end (or sent something it should not)
                     self._drop(key.fileobj)
             if time.monotonic() >= next_beat:
@@ -79,8 +84,12 @@ class Lifeline:
     def close(self) -> None:
         """Every holder learns at once that the notebook let go of its cluster."""
         self._closed.set()
+        try:
+            self._wake.send(b".")
+        except OSError:
+            pass
         self._thread.join(timeout=2 * BEAT_S)
-        for sock in [self._listener, *self._held]:
+        for sock in [self._listener, self._wake, self._woken, *self._held]:
             try:
                 sock.close()
             except OSError:

@@ -19,7 +19,9 @@ from .cluster import engine_alive
 from .wire import exit_reports
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
-PEER_FAILED_GRACE_S = 5.0  # a rank not yet in a collective when its peer failed
+# a rank neither in a collective nor at a line that calls one when its peer failed: time
+# to reach one (or to finish the cell) before it is released
+PEER_FAILED_GRACE_S = 5.0
 DEAD_HEARTBEAT_S = 5.0  # remote ranks: silence this long means dead
 # a cut link or a lost host silences its ranks within a heartbeat or two of each other
 # (they beat every half second, out of step): once one of them is past DEAD_HEARTBEAT_S,
@@ -265,8 +267,8 @@ class Watchdog:
         if failed:
             if self.first_failure is None:
                 self.first_failure = now
-            in_collective = all(hb and hb.get("phase") == "collective" for hb in waiting.values())
-            if in_collective or now - self.first_failure > PEER_FAILED_GRACE_S:
+            waits_for_peer = all(self._in_collective(hb) for hb in waiting.values())
+            if waits_for_peer or now - self.first_failure > PEER_FAILED_GRACE_S:
                 who = ", ".join(str(r) for r in failed)
                 lines = [f"{describe(r, hb)} when rank {who} failed"
                          for r, hb in waiting.items()]
@@ -286,6 +288,16 @@ class Watchdog:
             lines.append(f"progress: {progress}")
             return Verdict("hang", lines, release=running)
         return self._direct_hang(now, finished, waiting)
+
+    def _in_collective(self, hb: dict | None) -> bool:
+        """In one of mpilab's collectives, or (this cell's heartbeat) at a line that calls
+        MPI or torch.distributed directly: a call the failed peer will never join."""
+        if hb is None:
+            return False
+        if hb.get("phase") == "collective":
+            return True
+        return (hb.get("phase") == "running" and self._this_cell(hb)
+                and bool(_DIRECT_CALL.search(hb.get("where", ""))))
 
     def _direct_hang(self, now: float, finished: dict[int, Ending],
                      waiting: dict[int, dict | None]) -> Verdict | None:

@@ -280,6 +280,31 @@ def test_direct_call_hang_needs_a_finished_peer_and_a_line_that_stays():
 
 
 
+def test_a_peer_at_a_direct_collective_is_released_when_a_rank_fails():
+    """A rank that raised leaves its peers waiting: one in a collective called directly
+    (dist.all_reduce, comm.Allreduce, DDP's backward) is released at once; one still
+    computing gets PEER_FAILED_GRACE_S to reach a collective or finish the cell."""
+    from mpilab.watchdog import PEER_FAILED_GRACE_S
+
+    cluster = _QuietCluster()
+    cell = cluster.start_cell(1)
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
+    cluster.beat(0, 10.0, "running", "cell line 2: y = model(x)")
+    assert watchdog.check(10.0, {1: "error"}) is None
+    verdict = watchdog.check(10.0 + PEER_FAILED_GRACE_S + 0.1, {1: "error"})
+    assert verdict.kind == "peer-failed" and verdict.release == [0]
+    assert verdict.lines == ["rank 0 was at cell line 2: y = model(x) when rank 1 failed"]
+
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
+    cluster.beat(0, 20.0, "running", "cell line 4: dist.all_reduce(t)")
+    verdict = watchdog.check(20.0, {1: "error"})
+    assert verdict.kind == "peer-failed" and verdict.release == [0]
+    assert verdict.lines == ["rank 0 was at cell line 4: dist.all_reduce(t) when rank 1 failed"]
+    # the same line in a heartbeat of the cell before says nothing of this one
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cluster.start_cell(2, 30.0))
+    assert watchdog.check(30.0, {1: "error"}) is None
+
+
 # -- placement: Slurm settings, allocations, the launcher's telling line ---------------------
 def test_slurm_settings_make_the_batch_script():
     from mpilab.placement import SlurmSettings, batch_script
