@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import shlex
 import socket
 import subprocess
@@ -28,6 +29,9 @@ class ClusterError(Exception):
 
 
 OPTION_NAMES = {"sbatch_options": "--sbatch-option"}
+
+
+_NODE_COUNT = re.compile(r"[1-9]\d*(?:-[1-9]\d*)?")
 
 
 @dataclass
@@ -48,6 +52,9 @@ class SlurmSettings:
                 for f in fields(self) if getattr(self, f.name)]
 
     def validate(self) -> None:
+        if self.nodes is not None and not _NODE_COUNT.fullmatch(self.nodes):
+            raise ClusterError(f"--nodes {self.nodes!r}: give a number of nodes, or a range "
+                               "as sbatch takes it (2, 2-4)")
         if self.tasks_per_node is not None and self.tasks_per_node < 1:
             raise ClusterError(f"--tasks-per-node must be positive, got {self.tasks_per_node}")
         for option in self.sbatch_options:
@@ -168,7 +175,11 @@ def slurm_query(*command: str) -> str:
                            "is slurmctld running?") from None
     if done.returncode != 0:
         said = (done.stderr or done.stdout).strip().splitlines()
-        raise ClusterError(f"{command[0]}: {said[-1] if said else 'failed'}")
+        last = said[-1] if said else "failed"
+        if not last.startswith(f"{command[0]}:"):  # Slurm's commands name themselves
+            last = f"{command[0]}: {last}"
+        raise ClusterError(f"{last} (--launcher slurm needs this host's Slurm commands to "
+                           "reach slurmctld: check slurm.conf, or start without it)")
     return done.stdout
 
 

@@ -58,6 +58,15 @@ def test_bad_input_is_named(results: list) -> None:
     assert "'avg'" in errors["op"] and "sum, mean, max, min" in errors["op"]
     assert "'nccl'" in errors["backend"] and "auto, mpi, torch" in errors["backend"]
     assert "root 5" in errors["root"]
+    # what is not a tensor is named, with how to make one
+    assert errors["list"] == ("TypeError: mpilab.allreduce's tensor must be a tensor or a "
+                              "list of tensors, got a list holding an int: make each a "
+                              "tensor (torch.as_tensor)")
+    assert errors["array"] == ("TypeError: mpilab.broadcast's tensor must be a tensor, got "
+                               "a numpy array: torch.from_numpy(a) shares the array's memory, "
+                               "so the result lands in the array")
+    assert errors["out"].startswith("TypeError: mpilab.allgather's out must be a tensor, "
+                                    "got a list")
 
 
 def test_a_list_goes_through_tensor_fusion(results: list) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -332,6 +333,30 @@ def test_slurm_settings_need_the_slurm_launcher():
         ClusterConfig(slurm=SlurmSettings(partition="gpu")).validate()
     with pytest.raises(ClusterError, match="give it as sbatch spells it"):
         ClusterConfig(launcher="slurm", slurm=SlurmSettings(sbatch_options=["qos=high"])).validate()
+    for nodes in ("2", "2-4", "16"):
+        ClusterConfig(launcher="slurm", slurm=SlurmSettings(nodes=nodes)).validate()
+    for nodes in ("x", "0", "2-", "-2"):
+        with pytest.raises(ClusterError, match=rf"^--nodes '{nodes}': give a number of nodes, "
+                           r"or a range as sbatch takes it \(2, 2-4\)$"):
+            ClusterConfig(launcher="slurm", slurm=SlurmSettings(nodes=nodes)).validate()
+
+
+def test_a_slurm_command_that_fails_is_one_line_naming_it_once(tmp_path, monkeypatch):
+    """Without a configured Slurm, sinfo says so in its own words; the line says what
+    --launcher slurm needs."""
+    from mpilab.placement import ClusterError, slurm_query
+
+    fake = tmp_path / "sinfo"
+    fake.write_text("#!/bin/sh\necho 'sinfo: fatal: Could not establish a configuration "
+                    "source' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(ClusterError) as failed:
+        slurm_query("sinfo", "-h")
+    assert str(failed.value) == (
+        "sinfo: fatal: Could not establish a configuration source (--launcher slurm needs "
+        "this host's Slurm commands to reach slurmctld: check slurm.conf, or start "
+        "without it)")
 
 
 def test_allocation_tasks_from_slurm_variables(monkeypatch):

@@ -97,6 +97,32 @@ def tensor_bytes(tensors: torch.Tensor | Sequence[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def check_tensor_argument(what: str, value: Any, many: bool = False) -> None:
+    """A clear TypeError for what is not a tensor (or, where `many`, a list or tuple of
+    tensors), saying how to make one: the call would fail deeper down, naming a method
+    the value lacks. `what`: the argument, as "mpilab.broadcast's tensor"."""
+    if isinstance(value, torch.Tensor):
+        return
+    if many and isinstance(value, (list, tuple)):
+        wrong = next((v for v in value if not isinstance(v, torch.Tensor)), None)
+        if wrong is None:
+            return
+        raise TypeError(f"{what} must be a tensor or a list of tensors, got a "
+                        f"{type(value).__name__} holding {_kind(wrong)}: make each a tensor "
+                        "(torch.as_tensor)")
+    taken = "a tensor or a list of tensors" if many else "a tensor"
+    how = ("torch.from_numpy(a) shares the array's memory, so the result lands in the array"
+           if type(value).__module__ == "numpy" else "torch.as_tensor makes one")
+    raise TypeError(f"{what} must be {taken}, got {_kind(value)}: {how}")
+
+
+def _kind(value: Any) -> str:
+    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+        return "a numpy array"
+    name = type(value).__name__
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
 def _host_buffer(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A contiguous CPU tensor of `dtype` with `tensor`'s values (`tensor` itself if it can).
 
@@ -300,6 +326,7 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
         return tensor
     context()
     reduction.check_reduce_op(op)
+    check_tensor_argument("mpilab.allreduce's tensor", tensor, many=True)
     if isinstance(tensor, (list, tuple)):
         nbytes = tensor_bytes(tensor)
         with waiting.collective("allreduce", nbytes, f"{len(tensor)} tensors"):
@@ -339,6 +366,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
         waiting.reuse(plan.contexts["broadcast"]).run(plan.broadcaster(root))
         return tensor
     ctx = context()
+    check_tensor_argument("mpilab.broadcast's tensor", tensor)
     if not 0 <= root < ctx.world_size:
         raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
     chosen = torch_group.resolve_transport(backend, tensor)
@@ -387,6 +415,9 @@ def allgather(tensor: torch.Tensor, backend: str = "auto",
 
 def _allgather(tensor: torch.Tensor, backend: str, out: torch.Tensor | None) -> torch.Tensor:
     ctx = context()
+    check_tensor_argument("mpilab.allgather's tensor", tensor)
+    if out is not None:
+        check_tensor_argument("mpilab.allgather's out", out)
     chosen = torch_group.resolve_transport(backend, tensor)
     shape = (ctx.world_size, *tensor.shape)
     if out is not None and (tuple(out.shape) != shape or out.dtype != tensor.dtype

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import mpilab
+import numpy as np
 import torch
 from mpilab.rank import agent
 
@@ -52,6 +53,9 @@ def main(ctx: Any, report: Any) -> None:
     odd = mpilab.allreduce(torch.tensor([ctx.rank, -ctx.rank], dtype=torch.int64), op="mean")
     out["int_mean_floor"] = odd.tolist()
     out["errors"]["root"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root=5))
+    out["errors"]["list"] = error_of(lambda: mpilab.allreduce([1, 2]))
+    out["errors"]["array"] = error_of(lambda: mpilab.broadcast(np.ones(2)))
+    out["errors"]["out"] = error_of(lambda: mpilab.allgather(torch.ones(2), out=[0, 0]))
     pair = [torch.ones(3) * (ctx.rank + 1), torch.ones(2, 2, dtype=torch.float64)]
     mpilab.allreduce(pair, op="sum")
     out["fused"] = [p.flatten().tolist() for p in pair]
