@@ -74,7 +74,10 @@ class Session:
         return self.runner.run(code, options)
 
     def push(self, values: dict) -> None:
-        self.cluster.client[self.cluster.engines()].push(values, block=True)
+        try:
+            self.cluster.client[self.cluster.engines()].push(values, block=True)
+        except Exception as e:  # noqa: BLE001 - what could not be sent, as one line
+            raise ClusterError(_push_failure(values, e)) from None
 
     def pull(self, name: str, rank: int | None = None):
         """One rank's value (`--rank R`), else a list ordered by rank."""
@@ -166,6 +169,7 @@ class Session:
         from IPython.display import display, update_display
         from mpilab.widgets import bench_figure, bench_table, figure_bundle, human_bytes
 
+        self.cluster.check_usable()  # before the progress line: no ranks, one line only
         started, shown = time.monotonic(), uuid.uuid4().hex
         total = len(bench_arguments(sizes, backends)[0])
 
@@ -296,6 +300,20 @@ def bench_arguments(sizes: str, backends: str) -> tuple[list[int], list[str]]:
         return parse_sizes(sizes), parse_backends(backends)
     except ValueError as e:
         raise ClusterError(str(e)) from None
+
+
+def _push_failure(values: dict, error: Exception) -> str:
+    """Which value could not be sent, and why (most often: it cannot be pickled)."""
+    from ipyparallel.serialize import serialize_object
+
+    for name, value in values.items():
+        try:
+            serialize_object(value)
+        except Exception as e:  # noqa: BLE001 - the first value that cannot be sent
+            return (f"push: {name!r} cannot be sent to the ranks ({type(e).__name__}: {e}): "
+                    "make it on the ranks in a %%ranks cell, or push what it is made of")
+    said = str(error).strip().splitlines()
+    return f"push: {', '.join(values)}: {said[0] if said else type(error).__name__}"
 
 
 def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -> str:

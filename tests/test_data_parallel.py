@@ -83,6 +83,8 @@ def test_wrapped_model_looks_like_the_plain_one(trained: list, backend: str) -> 
 def test_wrapping_again(trained: list) -> None:
     assert trained[0]["rewrap_err"] < 1e-5
     assert "already wrapped by DataParallel" in trained[0]["wrap_twice"]
+    assert trained[0]["not_a_model"] == \
+        "TypeError: DataParallel wraps a torch.nn.Module, got str 'resnet'"
 
 
 def test_bfloat16_model_over_mpi(trained: list) -> None:

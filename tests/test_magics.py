@@ -28,6 +28,8 @@ from conftest import cluster_pids
     ("%mpilab start --mpiexec /nonexistent/mpiexec",
      "--mpiexec /nonexistent/mpiexec: not an executable mpiexec"),
     ("%mpilab pull x", "no ranks are running"),
+    ("%mpilab bench allreduce --sizes 4K", "no ranks are running"),
+    ("%mpilab start --launcher slurm --nodes x", "--nodes 'x': give a number of nodes"),
     ("%mpilab restart", "nothing to restart"),
     ("%mpilab start --collective-timeout 0", "--collective-timeout must be positive, got 0.0"),
     ("%mpilab start --partition gpu", "--partition is a Slurm setting: add --launcher slurm"),
@@ -227,6 +229,14 @@ def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(ranks):
     assert run.ok, run.text
     run = ranks.run("%mpilab pull lock --rank 0")
     assert "pull: 'lock' could not be fetched from rank 0: TypeError" in run.text, run.text
+    _assert_one_line_error(run)
+    # the other way: what cannot be pickled is named, with what to do instead
+    run = ranks.run("import threading\nnotebook_lock = threading.Lock()\n"
+                    "%mpilab push notebook_lock")
+    assert not run.ok
+    assert ("push: 'notebook_lock' cannot be sent to the ranks (TypeError: cannot pickle "
+            "'_thread.lock' object): make it on the ranks in a %%ranks cell, or push what it "
+            "is made of") in run.text, run.text
     _assert_one_line_error(run)
 
 

@@ -596,6 +596,16 @@ class ModelWrapper(nn.Module):
     module: nn.Module
     _clock: StepClock
 
+    @staticmethod
+    def check_model(wrapper: str, model: Any) -> None:
+        """What a wrapper takes: a plain torch module (not one already wrapped)."""
+        if isinstance(model, ModelWrapper):
+            raise ValueError(f"{wrapper}: the model is already wrapped by "
+                             f"{type(model).__name__}; wrap the plain model (its .module)")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"{wrapper} wraps a torch.nn.Module, got "
+                            f"{type(model).__name__} {model!r:.60}")
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._clock.forward(args, kwargs)
         return self.module(*args, **kwargs)
@@ -635,9 +645,7 @@ class DataParallel(ModelWrapper):
         super().__init__()
         ctx = context()
         self.config = DataParallelConfig(backend, bucket_mb, compression)
-        if isinstance(model, ModelWrapper):
-            raise ValueError(f"the model is already wrapped by {type(model).__name__}: "
-                             "wrap the plain model (its .module) instead")
+        self.check_model("DataParallel", model)
         self.module = model
         self._clock = StepClock()
         if compression is not None:

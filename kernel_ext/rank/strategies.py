@@ -27,7 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from . import collectives, ownership, torch_group
 from .accounting import StepClock, TrafficMeter
 from .context import context
-from .data_parallel import DataParallel, ModelWrapper, check_same_parameters
+from .data_parallel import ModelWrapper, check_same_parameters
 
 _live: weakref.WeakSet[_Averaging] = weakref.WeakSet()
 _hook: Any = None
@@ -51,9 +51,7 @@ class _Averaging(ModelWrapper):
         super().__init__()
         global _hook
         name = type(self).__name__
-        if isinstance(model, (DataParallel, _Averaging)):
-            raise ValueError(f"{name}: the model is already wrapped by "
-                             f"{type(model).__name__}; wrap the plain model (its .module)")
+        self.check_model(name, model)
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise ValueError(f"{name}: period must be a positive whole number of steps, "
                              f"got {period!r}")

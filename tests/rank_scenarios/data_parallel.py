@@ -99,6 +99,7 @@ def main(ctx: Any, report: Any) -> None:
     out["rewrap_err"] = max((p - r).abs().max().item()
                             for p, r in zip(model.parameters(), ref_params))
     out["wrap_twice"] = error_of(lambda: mpilab.DataParallel(mpilab.DataParallel(make())))
+    out["not_a_model"] = error_of(lambda: mpilab.DataParallel("resnet"))
 
     # a model trained in bfloat16 (MPI has no bfloat16 type) keeps the ranks identical
     model = make().to(torch.bfloat16)
