@@ -139,12 +139,23 @@ def _choices() -> str:
 
 
 def hostfile_hosts(path: str) -> list[str]:
-    """The host names of an mpiexec hostfile (`host`, `host:slots`, `host slots=N`)."""
+    """The host names of an mpiexec (MPICH hydra) hostfile: a host a line, `host` or
+    `host:slots`, maybe followed by hydra's `key=value` options; comments on lines of
+    their own. What hydra would reject is told here, naming the line: hydra's own
+    message names neither the line nor the fault, and `host:0` makes it wait forever."""
     hosts = []
-    for line in Path(path).read_text().splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            hosts.append(line.split()[0].split(":")[0])
+    for number, text in enumerate(Path(path).read_text().splitlines(), 1):
+        line = text.strip()
+        if not line or line.startswith("#"):
+            continue
+        where = f"--hostfile {path}, line {number} ({line!r})"
+        if "#" in line:
+            raise ClusterError(f"{where}: mpiexec takes comments only on lines of their own")
+        host, colon, rest = line.split()[0].partition(":")
+        slots = rest.split(":")[0]
+        if not host or (colon and not (slots.isdigit() and int(slots) > 0)):
+            raise ClusterError(f"{where}: give `host` or `host:slots`, slots a positive number")
+        hosts.append(host)
     if not hosts:
         raise ClusterError(f"--hostfile {path}: names no host (one per line, `host:slots`)")
     return hosts

@@ -359,6 +359,23 @@ def test_a_slurm_command_that_fails_is_one_line_naming_it_once(tmp_path, monkeyp
         "without it)")
 
 
+def test_hostfile_lines_mpiexec_would_reject_are_named(tmp_path):
+    from mpilab.placement import hostfile_hosts
+
+    good = tmp_path / "hosts"
+    good.write_text("# the nodes\n  node1:2\nnode2\n\nnode3:4:1 ifhn=eth0\n")
+    assert hostfile_hosts(str(good)) == ["node1", "node2", "node3"]
+    for line, fault in [("node1:2  # two", "mpiexec takes comments only on lines of their own"),
+                        ("node1:abc", "give `host` or `host:slots`, slots a positive number"),
+                        ("node1:0", "give `host` or `host:slots`, slots a positive number"),
+                        (":2", "give `host` or `host:slots`, slots a positive number")]:
+        bad = tmp_path / "bad"
+        bad.write_text(f"node0\n{line}\n")
+        with pytest.raises(ClusterError) as told:
+            hostfile_hosts(str(bad))
+        assert str(told.value) == f"--hostfile {bad}, line 2 ({line!r}): {fault}"
+
+
 def test_allocation_tasks_from_slurm_variables(monkeypatch):
     from mpilab.placement import allocation_tasks
 
