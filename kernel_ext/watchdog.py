@@ -290,13 +290,14 @@ class Watchdog:
         return self._direct_hang(now, finished, waiting)
 
     def _in_collective(self, hb: dict | None) -> bool:
-        """In one of mpilab's collectives, or (this cell's heartbeat) at a line that calls
-        MPI or torch.distributed directly: a call the failed peer will never join."""
-        if hb is None:
-            return False
-        if hb.get("phase") == "collective":
-            return True
-        return (hb.get("phase") == "running" and self._this_cell(hb)
+        """In one of mpilab's collectives, or at a line that calls one directly: a call
+        a failed peer will never join."""
+        return hb is not None and (hb.get("phase") == "collective" or self._at_direct_call(hb))
+
+    def _at_direct_call(self, hb: dict | None) -> bool:
+        """This cell's heartbeat puts the rank at a line that calls MPI or
+        torch.distributed directly (mpilab cannot see inside such a call)."""
+        return (hb is not None and hb.get("phase") == "running" and self._this_cell(hb)
                 and bool(_DIRECT_CALL.search(hb.get("where", ""))))
 
     def _direct_hang(self, now: float, finished: dict[int, Ending],
@@ -308,11 +309,10 @@ class Watchdog:
         done = sorted(r for r, how in finished.items() if how == "ok")
         on_line = {}
         for r, hb in waiting.items():
-            where = hb.get("where", "") if self._this_cell(hb) else ""
-            if not (done and hb and hb.get("phase") == "running"
-                    and _DIRECT_CALL.search(where)):
+            if not (done and self._at_direct_call(hb)):
                 self._on_line.clear()
                 return None
+            where = hb["where"]
             line, since = self._on_line.get(r, (where, now))
             on_line[r] = (where, since if line == where else now)
         self._on_line = on_line
