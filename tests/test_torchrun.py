@@ -187,6 +187,15 @@ def test_run_script_bad_arguments_fail_the_cell_with_argparse_message(ranks):
     assert "To exit: use" not in run.text
 
 
+def test_a_script_exiting_with_a_message_fails_the_cell_with_it(ranks, tmp_path):
+    script = tmp_path / "prepare.py"
+    script.write_text("import sys\nsys.exit('no data in /data/train')\n")
+    run = ranks.run(f"%%ranks\n%run {script}")
+    assert not run.ok
+    assert run.error_text.count("prepare.py exited with status 1: no data in /data/train") \
+        == 1, run.error_text
+
+
 def test_init_process_group_variants(ranks):
     run = ranks.run(
         "%%ranks\nimport torch\nimport torch.distributed as dist\n"

@@ -399,5 +399,8 @@ class ScriptExit(RuntimeError):
     a cell would make IPython add "To exit: use 'exit', 'quit', or Ctrl-D")."""
 
     def __init__(self, filename: str, code: Any):
-        super().__init__(f"{os.path.basename(str(filename))} exited with status {code}")
+        name = os.path.basename(str(filename))
+        # sys.exit("message") exits with status 1 after printing the message
+        how = f"with status {code}" if isinstance(code, int) else f"with status 1: {code}"
+        super().__init__(f"{name} exited {how}")
         self.code = code
