@@ -9,7 +9,7 @@ the ranks' output live and ends the cell when it must end (the watchdog's verdic
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ipyparallel.error import TaskAborted
@@ -30,6 +30,9 @@ from .watchdog import (
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 INTERRUPT_GRACE_S = 3.0
+# ... for a rank in a call an interrupt cannot reach (a blocking MPI or torch.distributed
+# collective called directly, its peer gone): long enough for one that just returned
+BLOCKING_GRACE_S = 0.5
 ABORT_SETTLE_S = 0.3  # a rank may begin a cell just as it is taken off the queue: watch
 OUTPUT_TRAIL_S = 5.0
 # when ipyparallel reports an engine gone, how long the watchdog is given to see its
@@ -189,13 +192,15 @@ class RunningCell:
                 " ranks (their state was lost)")
             return
         outcome.released = verdict.release
-        self._release(verdict.release)
+        self._release(verdict.release, blocking=verdict.blocking)
 
-    def _release(self, ranks: list[int]) -> None:
+    def _release(self, ranks: list[int], blocking: Sequence[int] = ()) -> None:
         """Interrupt `ranks` (SIGINT: KeyboardInterrupt and an abort of every wait), then
         bring mpilab's communicators back in step on all ranks; restart when a rank sits
         in a call that cannot be interrupted. A rank that has not begun the cell (it still
-        runs an earlier --noblock one) is not interrupted: the cell leaves its queue."""
+        runs an earlier --noblock one) is not interrupted: the cell leaves its queue.
+        `blocking`: ranks the watchdog saw in a call an interrupt cannot reach; once only
+        they are left, the restart comes after BLOCKING_GRACE_S."""
         outcome, singles, store = self.outcome, self._singles, self.cluster.store
         queued = [r for r in ranks
                   if r not in self.window.bounds(store) and not singles[r].ready()]
@@ -208,6 +213,7 @@ class RunningCell:
         interrupted: list[int] = []
         settled = time.monotonic() + (ABORT_SETTLE_S if queued else 0.0)
         deadline = time.monotonic() + INTERRUPT_GRACE_S
+        blocked_deadline = time.monotonic() + BLOCKING_GRACE_S
         while True:
             # a rank that began the cell as it was taken off the queue is interrupted too
             begun = self.window.bounds(store)
@@ -216,8 +222,11 @@ class RunningCell:
             if fresh:
                 self._interrupt(fresh)
                 interrupted += fresh
-            done = all(singles[r].ready() for r in interrupted)
-            if (done and time.monotonic() >= settled) or time.monotonic() > deadline:
+            pending = [r for r in interrupted if not singles[r].ready()]
+            done = not pending
+            now = time.monotonic()
+            if (done and now >= settled) or now > deadline or \
+                    (pending and now > blocked_deadline and set(pending) <= set(blocking)):
                 break
             time.sleep(TICK_S)
         outcome.dropped = [r for r in queued if r not in interrupted]

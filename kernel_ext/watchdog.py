@@ -45,6 +45,9 @@ class Verdict:
     lines: list[str]
     release: list[int] = field(default_factory=list)
     dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+    # released ranks at a line that calls MPI or torch.distributed directly: an interrupt
+    # cannot reach them inside such a call (a DataParallel's backward it can)
+    blocking: list[int] = field(default_factory=list)
 
 
 def describe(rank: int, hb: dict | None) -> str:
@@ -153,6 +156,7 @@ def _history(hb: dict) -> dict[int, tuple[str, int]]:
 # dist.all_reduce(…), node_comm.Barrier(), or a backward() whose DDP hooks allreduce;
 # mpilab's own collectives report themselves
 _DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(|\.backward\(")
+_BACKWARD = re.compile(r"\.backward\(")
 
 
 def reported_causes(launcher_output: str) -> dict[tuple[str, int | None], str]:
@@ -272,7 +276,8 @@ class Watchdog:
                 who = ", ".join(str(r) for r in failed)
                 lines = [f"{describe(r, hb)} when rank {who} failed"
                          for r, hb in waiting.items()]
-                return Verdict("peer-failed", lines, release=running)
+                return Verdict("peer-failed", lines, release=running,
+                               blocking=self._blocking(waiting))
             return None
         # a heartbeat of an earlier cell (this one's first has not come yet) may still
         # show the collective a released rank was in
@@ -300,6 +305,11 @@ class Watchdog:
         return (hb is not None and hb.get("phase") == "running" and self._this_cell(hb)
                 and bool(_DIRECT_CALL.search(hb.get("where", ""))))
 
+    def _blocking(self, waiting: dict[int, dict | None]) -> list[int]:
+        """The ranks of `waiting` at a direct call other than a backward()."""
+        return [r for r, hb in waiting.items()
+                if self._at_direct_call(hb) and not _BACKWARD.search(hb["where"])]
+
     def _direct_hang(self, now: float, finished: dict[int, Ending],
                      waiting: dict[int, dict | None]) -> Verdict | None:
         """Ranks that sit on one line calling MPI or torch.distributed directly for
@@ -322,7 +332,7 @@ class Watchdog:
         lines = [f"hang: rank {r} has been at {where} for {now - since:.1f} s, and {peers} "
                  "finished the cell without joining it" for r, (where, since)
                  in sorted(on_line.items())]
-        return Verdict("hang", lines, release=list(waiting))
+        return Verdict("hang", lines, release=list(waiting), blocking=self._blocking(waiting))
 
 
 def last_checkpoint(store) -> str:

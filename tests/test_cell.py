@@ -264,6 +264,33 @@ def test_a_rank_deaf_to_the_interrupt_restarts_the_cluster_and_is_unfinished(
     ]
 
 
+@pytest.mark.parametrize("line, blocking", [("cell line 4: dist.all_reduce(t)", True),
+                                            ("cell line 4: loss.backward()", False)])
+def test_a_peer_in_a_blocking_direct_collective_is_restarted_without_the_whole_grace(
+        shown, monkeypatch, line, blocking):
+    """Rank 1 raised while rank 0 sat in dist.all_reduce: no interrupt reaches that
+    call, so the restart comes after BLOCKING_GRACE_S, not INTERRUPT_GRACE_S. A
+    backward() may be a DataParallel's, which the interrupt does reach: it gets the
+    whole grace."""
+    monkeypatch.setattr(cell_module, "INTERRUPT_GRACE_S", 1.5)
+    monkeypatch.setattr(cell_module, "BLOCKING_GRACE_S", 0.1)
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+    now = time.time()
+    cluster.begin(ar, now)
+    cluster.store.add({"k": "hb", "r": 0, "t": now, "pid": 1, "host": "h", "phase": "running",
+                       "op": "", "seq": 0, "op_age": 0.0, "rss": 0, "step": 0, "cell": 3,
+                       "where": line})
+    ar.singles[1].end(RankError(BOOM))
+    started = time.monotonic()
+    cell.watch()
+    took = time.monotonic() - started
+    outcome = cell.finish()
+    assert outcome.restarted and cluster.restarts == 1 and cluster.signalled == [0]
+    assert (took < 1.0) if blocking else (took >= 1.5), took
+    assert f"mpilab: rank 0 was at {line} when rank 1 failed" in report_text(outcome, None)
+
+
 def test_report_groups_identical_failures_and_leaves_released_ranks_to_the_notes():
     outcome = CellOutcome(
         ranks=[0, 1, 2, 3],

@@ -295,12 +295,14 @@ def test_a_peer_at_a_direct_collective_is_released_when_a_rank_fails():
     verdict = watchdog.check(10.0 + PEER_FAILED_GRACE_S + 0.1, {1: "error"})
     assert verdict.kind == "peer-failed" and verdict.release == [0]
     assert verdict.lines == ["rank 0 was at cell line 2: y = model(x) when rank 1 failed"]
+    assert verdict.blocking == []  # computing: the interrupt reaches it
 
     watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
     cluster.beat(0, 20.0, "running", "cell line 4: dist.all_reduce(t)")
     verdict = watchdog.check(20.0, {1: "error"})
     assert verdict.kind == "peer-failed" and verdict.release == [0]
     assert verdict.lines == ["rank 0 was at cell line 4: dist.all_reduce(t) when rank 1 failed"]
+    assert verdict.blocking == [0]  # no interrupt reaches a blocking gloo or MPI call
     # the same line in a heartbeat of the cell before says nothing of this one
     watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cluster.start_cell(2, 30.0))
     assert watchdog.check(30.0, {1: "error"}) is None
