@@ -489,11 +489,10 @@ ENGINE_EXIT_WAIT_S = 3.0
 _EXIT_POLL_S = 0.02
 
 
-def _wait_for_exit(procs: list, timeout: float) -> list:
-    """Wait until the engines and mpiexec (not the controller) have exited here; the
-    ones still running after `timeout` s."""
+def _wait_for_exit(procs: list, timeout: float) -> None:
+    """Wait until the engines and mpiexec (not the controller) have exited here."""
     engines = [p for p in procs if "controller_main" not in " ".join(_cmdline(p))]
-    return _wait_gone(engines, timeout)
+    _wait_gone(engines, timeout)
 
 
 def _wait_gone(procs: list, timeout: float) -> list:

@@ -155,8 +155,8 @@ def _history(hb: dict) -> dict[int, tuple[str, int]]:
 # a cell line that calls MPI or torch.distributed directly: comm.Allreduce(…),
 # dist.all_reduce(…), node_comm.Barrier(), or a backward() whose DDP hooks allreduce;
 # mpilab's own collectives report themselves
-_DIRECT_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(|\.backward\(")
-_BACKWARD = re.compile(r"\.backward\(")
+_COLLECTIVE_CALL = re.compile(r"\b(?:\w+_)?(?:comm|dist)\.\w+\(")
+_DIRECT_CALL = re.compile(rf"{_COLLECTIVE_CALL.pattern}|\.backward\(")
 
 
 def reported_causes(launcher_output: str) -> dict[tuple[str, int | None], str]:
@@ -306,9 +306,10 @@ class Watchdog:
                 and bool(_DIRECT_CALL.search(hb.get("where", ""))))
 
     def _blocking(self, waiting: dict[int, dict | None]) -> list[int]:
-        """The ranks of `waiting` at a direct call other than a backward()."""
+        """The ranks of `waiting` at a direct call of MPI or torch.distributed (not a
+        backward(): DataParallel's answers the interrupt)."""
         return [r for r, hb in waiting.items()
-                if self._at_direct_call(hb) and not _BACKWARD.search(hb["where"])]
+                if self._at_direct_call(hb) and _COLLECTIVE_CALL.search(hb["where"])]
 
     def _direct_hang(self, now: float, finished: dict[int, Ending],
                      waiting: dict[int, dict | None]) -> Verdict | None:

@@ -32,8 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..wire import BENCH_COLLECTIVES as COLLECTIVES
-from ..wire import check_backends
+from ..wire import BENCH_COLLECTIVES, check_backends
 from .context import context
 from .waiting import wait_interruptibly
 
@@ -108,8 +107,8 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     shared, noisy node)}; a backend that cannot run here gives one row with a `note` and
     None figures.
     """
-    if op not in COLLECTIVES:
-        raise ValueError(f"bench op {op!r} is not one of {', '.join(COLLECTIVES)}")
+    if op not in BENCH_COLLECTIVES:
+        raise ValueError(f"bench op {op!r} is not one of {', '.join(BENCH_COLLECTIVES)}")
     check_backends(backends)
     ctx = context()
     comm, n = ctx.comm, ctx.world_size

@@ -112,12 +112,12 @@ def check_tensor_argument(what: str, value: Any, many: bool = False) -> None:
                         "(torch.as_tensor)")
     taken = "a tensor or a list of tensors" if many else "a tensor"
     how = ("torch.from_numpy(a) shares the array's memory, so the result lands in the array"
-           if type(value).__module__ == "numpy" else "torch.as_tensor makes one")
+           if isinstance(value, np.ndarray) else "torch.as_tensor makes one")
     raise TypeError(f"{what} must be {taken}, got {_kind(value)}: {how}")
 
 
 def _kind(value: Any) -> str:
-    if type(value).__module__ == "numpy" and type(value).__name__ == "ndarray":
+    if isinstance(value, np.ndarray):
         return "a numpy array"
     name = type(value).__name__
     return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
