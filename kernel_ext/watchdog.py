@@ -271,7 +271,7 @@ class Watchdog:
         if failed:
             if self.first_failure is None:
                 self.first_failure = now
-            waits_for_peer = all(self._in_collective(hb) for hb in waiting.values())
+            waits_for_peer = all(self._waits_for_peer(hb) for hb in waiting.values())
             if waits_for_peer or now - self.first_failure > PEER_FAILED_GRACE_S:
                 who = ", ".join(str(r) for r in failed)
                 lines = [f"{describe(r, hb)} when rank {who} failed"
@@ -294,10 +294,18 @@ class Watchdog:
             return Verdict("hang", lines, release=running)
         return self._direct_hang(now, finished, waiting)
 
-    def _in_collective(self, hb: dict | None) -> bool:
+    def _waits_for_peer(self, hb: dict | None) -> bool:
         """In one of mpilab's collectives, or at a line that calls one directly: a call
-        a failed peer will never join."""
-        return hb is not None and (hb.get("phase") == "collective" or self._at_direct_call(hb))
+        the failed peer will never join. A line counts on a heartbeat that reached the
+        notebook since the failure did: one from before may name a line the rank has
+        left (the init_process_group it waited in while it now runs its backward); the
+        next one comes within a heartbeat interval."""
+        if hb is None:
+            return False
+        if hb.get("phase") == "collective":
+            return True
+        seen = self.first_failure
+        return self._at_direct_call(hb) and seen is not None and hb.get("recv", 0.0) >= seen
 
     def _at_direct_call(self, hb: dict | None) -> bool:
         """This cell's heartbeat puts the rank at a line that calls MPI or

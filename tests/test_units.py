@@ -308,6 +308,26 @@ def test_a_peer_at_a_direct_collective_is_released_when_a_rank_fails():
     assert watchdog.check(30.0, {1: "error"}) is None
 
 
+def test_a_direct_call_line_counts_on_a_heartbeat_sent_since_the_failure(monkeypatch):
+    """A heartbeat that reached the notebook before a peer's failure may name a line the
+    rank has since left (the init_process_group it waited in, while it now runs its
+    backward): the rank is released on its next heartbeat, at the line it is at."""
+    cluster = _QuietCluster()
+    cell = cluster.start_cell(1)
+    clock = [100.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    cluster.beat(0, 100.0, "running", "train.py line 51: dist.init_process_group(backend)")
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
+    clock[0] = 100.4
+    assert watchdog.check(100.4, {1: "error"}) is None  # rank 1 failed; rank 0 moved on
+    clock[0] = 100.6
+    cluster.beat(0, 100.6, "running", "train.py line 79: loss.backward()")
+    verdict = watchdog.check(100.6, {1: "error"})
+    assert verdict.kind == "peer-failed" and verdict.release == [0]
+    assert verdict.lines == ["rank 0 was at train.py line 79: loss.backward() when rank 1 failed"]
+    assert verdict.blocking == []  # DDP's backward answers the interrupt
+
+
 # -- placement: Slurm settings, allocations, the launcher's telling line ---------------------
 def test_slurm_settings_make_the_batch_script():
     from mpilab.placement import SlurmSettings, batch_script
