@@ -296,16 +296,14 @@ class Watchdog:
 
     def _waits_for_peer(self, hb: dict | None) -> bool:
         """In one of mpilab's collectives, or at a line that calls one directly: a call
-        the failed peer will never join. A line counts on a heartbeat that reached the
-        notebook since the failure did: one from before may name a line the rank has
-        left (the init_process_group it waited in while it now runs its backward); the
-        next one comes within a heartbeat interval."""
-        if hb is None:
-            return False
-        if hb.get("phase") == "collective":
-            return True
+        the failed peer will never join. Told by a heartbeat that reached the notebook
+        since the failure did: one from before may show a collective or a line the rank
+        has left (the init_process_group it waited in, while it now runs its backward);
+        the next one comes within a heartbeat interval."""
         seen = self.first_failure
-        return self._at_direct_call(hb) and seen is not None and hb.get("recv", 0.0) >= seen
+        if hb is None or seen is None or hb.get("recv", 0.0) < seen:
+            return False
+        return hb.get("phase") == "collective" or self._at_direct_call(hb)
 
     def _at_direct_call(self, hb: dict | None) -> bool:
         """This cell's heartbeat puts the rank at a line that calls MPI or

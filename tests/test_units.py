@@ -326,6 +326,15 @@ def test_a_direct_call_line_counts_on_a_heartbeat_sent_since_the_failure(monkeyp
     assert verdict.kind == "peer-failed" and verdict.release == [0]
     assert verdict.lines == ["rank 0 was at train.py line 79: loss.backward() when rank 1 failed"]
     assert verdict.blocking == []  # DDP's backward answers the interrupt
+    # so with a collective of mpilab's: the one a heartbeat before the failure showed
+    # may have ended since
+    cluster.beat(0, 101.0, "collective", "train.py line 80: allreduce(grads)", op="allreduce")
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
+    clock[0] = 101.2
+    assert watchdog.check(101.2, {1: "error"}) is None
+    clock[0] = 101.5
+    cluster.beat(0, 101.5, "collective", "train.py line 80: allreduce(grads)", op="allreduce")
+    assert watchdog.check(101.5, {1: "error"}).kind == "peer-failed"
 
 
 # -- placement: Slurm settings, allocations, the launcher's telling line ---------------------
