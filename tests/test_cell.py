@@ -5,6 +5,7 @@ The real ranks' side of the same behaviour is pinned by test_failures and test_m
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -278,12 +279,16 @@ def test_a_peer_in_a_blocking_direct_collective_is_restarted_without_the_whole_g
     cell = running(cluster, ar, sink)
     now = time.time()
     cluster.begin(ar, now)
-    cluster.store.add({"k": "hb", "r": 0, "t": now, "pid": 1, "host": "h", "phase": "running",
-                       "op": "", "seq": 0, "op_age": 0.0, "rss": 0, "step": 0, "cell": 3,
-                       "where": line})
     ar.singles[1].end(RankError(BOOM))
+    # rank 0's heartbeat thread beats on while its main thread sits in the call: the one
+    # that arrives after the failure tells the watchdog where rank 0 is
+    beat = threading.Timer(0.2, cluster.store.add, [{
+        "k": "hb", "r": 0, "t": now, "pid": 1, "host": "h", "phase": "running", "op": "",
+        "seq": 0, "op_age": 0.0, "rss": 0, "step": 0, "cell": 3, "where": line}])
+    beat.start()
     started = time.monotonic()
     cell.watch()
+    beat.join()
     took = time.monotonic() - started
     outcome = cell.finish()
     assert outcome.restarted and cluster.restarts == 1 and cluster.signalled == [0]
