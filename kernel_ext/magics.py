@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import difflib
 import textwrap
 import threading
 
@@ -59,6 +60,16 @@ def help_text(func) -> str:
     return textwrap.dedent(usage) + "\n\n" + rest.rstrip() + "\n"
 
 
+def _unknown_subcommand(word: str | None) -> str:
+    """The line for `%mpilab` without a subcommand it knows, naming the nearest one."""
+    known = f"one of {', '.join(SUBCOMMANDS)} (`%mpilab help` describes them)"
+    if word is None:
+        return f"%mpilab needs a subcommand: {known}"
+    near = difflib.get_close_matches(word, SUBCOMMANDS, n=1)
+    guess = f" (did you mean {near[0]}?)" if near else ""
+    return f"%mpilab has no subcommand {word!r}{guess}: {known}"
+
+
 @magics_class
 class MpilabMagics(Magics):
     def __init__(self, shell, session: Session):
@@ -73,9 +84,7 @@ class MpilabMagics(Magics):
         if words and words[0] in HELP_FLAGS:
             words = ["help"]
         if not words or words[0] not in SUBCOMMANDS:
-            got = f" {words[0]!r}" if words else ""
-            raise UsageError(f"%mpilab needs a subcommand{got}: one of {', '.join(SUBCOMMANDS)}"
-                             " (`%mpilab help` describes them)")
+            raise UsageError(_unknown_subcommand(words[0] if words else None))
         sub, rest = words[0], (words[1] if len(words) > 1 else "")
         if sub != "help" and _asks_help(rest):
             print(help_text(self._args_of(sub)), end="")
