@@ -271,7 +271,8 @@ class Watchdog:
         if failed:
             if self.first_failure is None:
                 self.first_failure = now
-            waits_for_peer = all(self._waits_for_peer(hb) for hb in waiting.values())
+            waits_for_peer = all(self._waits_for_peer(hb, self.first_failure)
+                                 for hb in waiting.values())
             if waits_for_peer or now - self.first_failure > PEER_FAILED_GRACE_S:
                 who = ", ".join(str(r) for r in failed)
                 lines = [f"{describe(r, hb)} when rank {who} failed"
@@ -294,14 +295,13 @@ class Watchdog:
             return Verdict("hang", lines, release=running)
         return self._direct_hang(now, finished, waiting)
 
-    def _waits_for_peer(self, hb: dict | None) -> bool:
+    def _waits_for_peer(self, hb: dict | None, failed_at: float) -> bool:
         """In one of mpilab's collectives, or at a line that calls one directly: a call
         the failed peer will never join. Told by a heartbeat that reached the notebook
-        since the failure did: one from before may show a collective or a line the rank
-        has left (the init_process_group it waited in, while it now runs its backward);
-        the next one comes within a heartbeat interval."""
-        seen = self.first_failure
-        if hb is None or seen is None or hb.get("recv", 0.0) < seen:
+        since the watchdog saw the failure (`failed_at`): one from before may show a
+        collective or a line the rank has left (the init_process_group it waited in,
+        while it now runs its backward); the next one comes within a heartbeat interval."""
+        if hb is None or hb.get("recv", 0.0) < failed_at:
             return False
         return hb.get("phase") == "collective" or self._at_direct_call(hb)
 

@@ -33,7 +33,9 @@ def grouped_allreduce(
     threshold: int | None = None,
     comm=None,
 ) -> list[torch.Tensor]:
-    """Allreduce every tensor in place with few collectives; returns the tensors.
+    """Allreduce every tensor in place with few collectives; returns the tensors
+    (torch tensors: mpilab.allreduce, the caller, checks them with
+    collectives.check_tensor_argument).
 
     op: sum | mean | max | min (mean of integer tensors rounds down, like `//`).
     backend: "mpi" (reduction.allreduce_host on host buffers: the shared-memory path on
@@ -62,8 +64,6 @@ def _plan(t: torch.Tensor, backend: str, backends: dict[str, str] | None = None,
           ) -> tuple[str, torch.device, torch.dtype]:
     """(transport, buffer device, wire dtype) of one tensor; `backends`: what the ranks'
     group runs on each device type (torch_group.group_backends), for "auto"."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"grouped_allreduce takes torch tensors, not {type(t).__name__}")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"allreduce of {t.dtype} tensors is not supported")
     kind = backend if backend != "auto" else torch_group.auto_transport(t.device.type,
