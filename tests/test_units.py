@@ -328,6 +328,7 @@ def test_a_direct_call_line_counts_on_a_heartbeat_sent_since_the_failure(monkeyp
     assert verdict.blocking == []  # DDP's backward answers the interrupt
     # so with a collective of mpilab's: the one a heartbeat before the failure showed
     # may have ended since
+    clock[0] = 101.0
     cluster.beat(0, 101.0, "collective", "train.py line 80: allreduce(grads)", op="allreduce")
     watchdog = Watchdog(cluster, [0, 1], hang_timeout=30.0, cell=cell)
     clock[0] = 101.2
