@@ -336,7 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("op", choices=BENCH_COLLECTIVES)
     bench.add_argument("-n", type=int, default=2, help="ranks (default 2)")
     bench.add_argument("--sizes", default="4K:64M",
-                       help="message sizes: every power of two from:to (default 4K:64M)")
+                       help="message sizes: every power of two from:to, or sizes and ranges "
+                       "separated by commas (default 4K:64M)")
     bench.add_argument("--backends", default="mpi,gloo,mpilab",
                        help="any of mpi, gloo, nccl, mpilab (default mpi,gloo,mpilab)")
     bench.add_argument("--mpiexec", default=None, help="the mpiexec to use")

@@ -244,7 +244,8 @@ class MpilabMagics(Magics):
     @argument("op", choices=BENCH_COLLECTIVES,
               help="the collective to measure: allreduce, broadcast or allgather")
     @argument("--sizes", default="4K:64M", metavar="SIZES",
-              help="message sizes: every power of two from:to (default 4K:64M)")
+              help="message sizes: every power of two from:to, or sizes and ranges "
+                       "separated by commas (default 4K:64M)")
     @argument("--backends", default="mpi,gloo,nccl,mpilab", metavar="LIST",
               help="any of mpi, gloo, nccl, mpilab (default: all; nccl needs GPUs)")
     def _bench_args(self, line):

@@ -214,7 +214,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def parse_sizes(spec: str) -> list[int]:
-    """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]. K/M/G are binary."""
+    """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]; a comma list of
+    either ('4K,1M:4M') → the sizes of each, in order, each once. K/M/G are binary."""
 
     def one(text: str) -> int:
         m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:I?B)?\s*", text.upper())
@@ -222,16 +223,21 @@ def parse_sizes(spec: str) -> list[int]:
             raise ValueError(f"--sizes {spec!r}: {text.strip()!r} is not a size like 4K, 16M, 1G")
         return int(m.group(1)) * _UNITS[m.group(2)]
 
-    parts = spec.split(":")
-    if len(parts) > 2:
-        raise ValueError(f"--sizes {spec!r}: use START:END like 4K:64M, or one size")
-    start, end = one(parts[0]), one(parts[-1])
-    if start > end:
-        raise ValueError(f"--sizes {spec!r}: the start is larger than the end")
-    sizes = [start]
-    while sizes[-1] * 2 <= end:
-        sizes.append(sizes[-1] * 2)
-    return sizes
+    sizes: list[int] = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if len(parts) > 2:
+            raise ValueError(f"--sizes {spec!r}: use START:END like 4K:64M, one size, "
+                             "or several separated by commas")
+        start, end = one(parts[0]), one(parts[-1])
+        if start > end:
+            raise ValueError(f"--sizes {spec!r}: the start of {item.strip()!r} is larger "
+                             "than its end")
+        size = start
+        while size <= end:
+            sizes.append(size)
+            size *= 2
+    return sorted(set(sizes))
 
 
 def parse_backends(spec: str) -> list[str]:

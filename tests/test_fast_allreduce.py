@@ -326,8 +326,10 @@ def test_parse_sizes():
     assert parse_sizes("4K:64M") == [4096 << k for k in range(15)]
     assert parse_sizes("1M") == [1 << 20]
     assert parse_sizes("3:16") == [3, 6, 12]
-    for bad, why in (("4K:1K", "larger than the end"), ("4Q:1M", "'4Q' is not a size"),
-                     ("1K:2K:4K", "START:END"), ("0:4K", "'0' is not a size")):
+    assert parse_sizes("1M, 16M,4K:16K,8K") == [4096, 8192, 16384, 1 << 20, 16 << 20]
+    for bad, why in (("4K:1K", "larger than its end"), ("4Q:1M", "'4Q' is not a size"),
+                     ("1K:2K:4K", "START:END"), ("0:4K", "'0' is not a size"),
+                     ("1M,", "'' is not a size")):
         with pytest.raises(ValueError, match=why) as info:
             parse_sizes(bad)
         assert "\n" not in str(info.value)
