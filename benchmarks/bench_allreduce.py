@@ -33,14 +33,13 @@ at that size, the most an allreduce can reach here: see docs/performance.md).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 from pathlib import Path
 
-from ranks import relaunch, sizes_or_exit
+from ranks import collective_parser, parse_checked, relaunch
 
 MIB = 1 << 20
 NAMES = {"mpilab": "mpilab", "mpilab-internal": "internal", "mpi": "mpi4py", "gloo": "gloo"}
@@ -53,21 +52,16 @@ CEILING_TARGET = 0.80  # allreduce at >= 16 MiB against the memory-copy figure
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = collective_parser(__doc__, "4K:64M", 20)
     parser.add_argument("--ops", default="allreduce,broadcast,allgather")
-    parser.add_argument("--sizes", default="4K:64M")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
     parser.add_argument("--json", help="also write the rows to this file")
-    args = parser.parse_args()
-    if args.repeats < 1:
-        parser.error(f"--repeats {args.repeats}: at least 1 timed repetition is needed")
+    args = parse_checked(parser)
     from mpilab.wire import BENCH_COLLECTIVES
 
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
     if not ops or not set(ops) <= set(BENCH_COLLECTIVES):
         parser.error(f"--ops {args.ops!r}: choose from {', '.join(BENCH_COLLECTIVES)}")
-    sizes = sizes_or_exit(parser, args.sizes)
+    sizes = args.sizes
     launched = relaunch(args.n)
     if launched is not None:
         return launched

@@ -22,24 +22,19 @@ every repetition; the slowest rank's time, median. GB/s is bus bandwidth (nccl-t
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-from ranks import relaunch, sizes_or_exit
+from ranks import collective_parser, parse_checked, relaunch
 
 PASSES = ("copy in", "reduce", "copy out", "barrier")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="16M:64M")
-    parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
-    args = parser.parse_args()
-    sizes = sizes_or_exit(parser, args.sizes)
+    args = parse_checked(collective_parser(__doc__, "16M:64M", 12))
+    sizes = args.sizes
     launched = relaunch(args.n)
     if launched is not None:
         return launched

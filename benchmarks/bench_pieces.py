@@ -20,24 +20,19 @@ it, 256 KiB to 2 MiB, whatever the engine); below it every engine broadcasts ali
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
-from ranks import relaunch, sizes_or_exit
+from ranks import collective_parser, parse_checked, relaunch
 
 PIECES = [2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10]
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="4M:64M")
-    parser.add_argument("--repeats", type=int, default=12)
-    parser.add_argument("-n", type=int, default=2, help="ranks (when launching mpiexec)")
-    args = parser.parse_args()
-    sizes = sizes_or_exit(parser, args.sizes)
+    args = parse_checked(collective_parser(__doc__, "4M:64M", 12))
+    sizes = args.sizes
     launched = relaunch(args.n)
     if launched is not None:
         return launched

@@ -1,5 +1,6 @@
 """What a new user meets in the first hour: help for every magic, the kernel and the
-examples `mpilab lab` sets up, exports that work offline, the package's dependencies."""
+examples `mpilab lab` sets up, exports that work offline, the package's dependencies, the
+benchmark commands the README gives."""
 
 from __future__ import annotations
 
@@ -326,6 +327,23 @@ def test_wheel_in_a_fresh_venv_runs_two_ranks_and_has_the_examples(tmp_path):
     assert f"[ranks 0-1] from {venv}/lib/python" in text and "[3.0, 3.0]" in text, text
     print(f"wheel test: install {installed - started:.0f} s, "
           f"run {time.monotonic() - installed:.0f} s")
+
+
+@pytest.mark.parametrize("script, args, line", [
+    ("bench_allreduce.py", ["--sizes", "1M,x"], "--sizes '1M,x': 'x' is not a size like 4K"),
+    ("bench_allreduce.py", ["--ops", "allreduse"], "--ops 'allreduse': choose from allreduce"),
+    ("bench_pieces.py", ["--repeats", "0"], "--repeats 0: at least 1 timed repetition"),
+    ("bench_allreduce_passes.py", ["-n", "0"], "-n 0: at least 1 rank is needed"),
+])
+def test_a_collective_benchmark_given_a_bad_option_says_so_in_one_line(script, args, line):
+    """The README's figures come with their commands; a mistyped one is refused before any
+    rank starts, in one line, with nothing left running."""
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.splitlines()[-1]
+    assert last.startswith(f"{script}: error: {line}"), proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stderr
 
 
 # -- with the cluster -----------------------------------------------------------------------
