@@ -39,7 +39,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from ranks import collective_parser, parse_checked, relaunch
+from mpilab.wire import BENCH_COLLECTIVES
+from options import collective_parser, names
+from ranks import relaunch
 
 MIB = 1 << 20
 NAMES = {"mpilab": "mpilab", "mpilab-internal": "internal", "mpi": "mpi4py", "gloo": "gloo"}
@@ -53,15 +55,11 @@ CEILING_TARGET = 0.80  # allreduce at >= 16 MiB against the memory-copy figure
 
 def main() -> int:
     parser = collective_parser(__doc__, "4K:64M", 20)
-    parser.add_argument("--ops", default="allreduce,broadcast,allgather")
+    parser.add_argument("--ops", type=names(BENCH_COLLECTIVES),
+                        default="allreduce,broadcast,allgather")
     parser.add_argument("--json", help="also write the rows to this file")
-    args = parse_checked(parser)
-    from mpilab.wire import BENCH_COLLECTIVES
-
-    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
-    if not ops or not set(ops) <= set(BENCH_COLLECTIVES):
-        parser.error(f"--ops {args.ops!r}: choose from {', '.join(BENCH_COLLECTIVES)}")
-    sizes = args.sizes
+    args = parser.parse_args()
+    ops, sizes = args.ops, args.sizes
     launched = relaunch(args.n)
     if launched is not None:
         return launched

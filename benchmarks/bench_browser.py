@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 from bench_overhead import SETUP
+from options import count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from jupyter_lab import (  # noqa: E402
@@ -78,8 +79,8 @@ def cpu_seconds() -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)  # cells of each mode
-    parser.add_argument("--steps", type=int, default=2400)  # ~20 s a cell: a steady state
+    parser.add_argument("--reps", type=count, default=3)  # cells of each mode
+    parser.add_argument("--steps", type=count, default=2400)  # ~20 s a cell: a steady state
     args = parser.parse_args()
     if not CHROMIUM.exists():
         raise SystemExit(f"{CHROMIUM} is missing: apt-get install -y chromium")

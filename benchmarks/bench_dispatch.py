@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from options import count
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
 
@@ -51,8 +53,8 @@ def timed(kernel: Kernel, code: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=40)
-    parser.add_argument("-n", type=int, default=2)
+    parser.add_argument("--reps", type=count, default=40)
+    parser.add_argument("-n", type=count, default=2)
     args = parser.parse_args()
     kernel = Kernel()
     load = []

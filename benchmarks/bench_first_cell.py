@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from options import count
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
 
@@ -61,9 +63,9 @@ def one_session(n: int, cells: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3, help="fresh kernels and starts")
-    parser.add_argument("-n", type=int, default=2, help="ranks")
-    parser.add_argument("--cells", type=int, default=3, help="runs of the cell per start")
+    parser.add_argument("--reps", type=count, default=3, help="fresh kernels and starts")
+    parser.add_argument("-n", type=count, default=2, help="ranks")
+    parser.add_argument("--cells", type=count, default=3, help="runs of the cell per start")
     args = parser.parse_args()
     rows = []
     for rep in range(args.reps):

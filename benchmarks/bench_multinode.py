@@ -38,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+from options import count
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
@@ -193,8 +195,8 @@ def start_times(cluster, starts: int) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--starts", type=int, default=3)
+    parser.add_argument("--repeats", type=count, default=15)
+    parser.add_argument("--starts", type=count, default=3)
     parser.add_argument("--no-start", action="store_true", help="bandwidth only")
     parser.add_argument("--bind-to", choices=("core", "none"), default="core",
                         help="how mpiexec binds the bandwidth run's ranks (default: one "

@@ -25,13 +25,14 @@ import statistics
 import sys
 import time
 
-from ranks import collective_parser, parse_checked, relaunch
+from options import collective_parser
+from ranks import relaunch
 
 PIECES = [2 << 20, 1 << 20, 512 << 10, 256 << 10, 128 << 10]
 
 
 def main() -> int:
-    args = parse_checked(collective_parser(__doc__, "4M:64M", 12))
+    args = collective_parser(__doc__, "4M:64M", 12).parse_args()
     sizes = args.sizes
     launched = relaunch(args.n)
     if launched is not None:

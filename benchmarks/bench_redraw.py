@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from options import count
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
 
@@ -90,9 +92,9 @@ print(json.dumps({"redraws": [early, late],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--redraws", type=int, default=80)
-    parser.add_argument("--updates", type=int, default=200)
-    parser.add_argument("--long", type=int, default=20_000)  # steps of the long run
+    parser.add_argument("--redraws", type=count, default=80)
+    parser.add_argument("--updates", type=count, default=200)
+    parser.add_argument("--long", type=count, default=20_000)  # steps of the long run
     args = parser.parse_args()
     kernel = Kernel()
     try:

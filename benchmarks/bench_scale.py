@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 import psutil
+from options import at_least, count, counts
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -302,11 +303,11 @@ def measure(world: int, args) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="64,256,1024")
-    parser.add_argument("--duration", type=float, default=30.0)
-    parser.add_argument("--warmup", type=float, default=8.0)
-    parser.add_argument("--step-rate", type=float, default=10.0)
-    parser.add_argument("--senders", type=int, default=4)
+    parser.add_argument("--sizes", type=counts, default="64,256,1024")
+    parser.add_argument("--duration", type=at_least(1.0, float), default=30.0)
+    parser.add_argument("--warmup", type=at_least(0.0, float), default=8.0)
+    parser.add_argument("--step-rate", type=at_least(0.1, float), default=10.0)
+    parser.add_argument("--senders", type=count, default=4)
     parser.add_argument("--json", help="also write the results here")
     # one sender process (the benchmark starts them)
     parser.add_argument("--sender")
@@ -328,7 +329,7 @@ def main() -> None:
               "redraw CPU median / p95 (ms), redraws/s | load avg")
     print(header)
     print("|".join(["---"] * header.count("|")) + "|---")
-    for world in [int(s) for s in args.sizes.split(",")]:
+    for world in args.sizes:
         got = results[world] = measure(world, args)
         lat, chk, red = got["latency"], got["check"], got["redraw"]
         filing = got["receiver_cpu"] - got["drawing_cpu"]

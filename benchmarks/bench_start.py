@@ -24,6 +24,7 @@ from pathlib import Path
 import ipyparallel as ipp
 import psutil
 from mpilab.cluster import ClusterConfig, RankCluster
+from options import count
 
 
 def _left_behind() -> list[str]:
@@ -61,8 +62,8 @@ def main() -> None:
     # the bare cluster finds mpiexec on PATH, as a user's shell would
     os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("-n", type=int, default=2)
+    parser.add_argument("--reps", type=count, default=3)
+    parser.add_argument("-n", type=count, default=2)
     args = parser.parse_args()
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.reps):

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from options import count, names
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 from kernel import Kernel  # noqa: E402
@@ -102,11 +104,12 @@ def through_ranks(kernel: Kernel, shape: Shape) -> Measure:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=int, default=2, help="processes / ranks")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--shapes", default="small,wide", help="small, wide or both")
+    parser.add_argument("-n", type=count, default=2, help="processes / ranks")
+    parser.add_argument("--repeats", type=count, default=5)
+    parser.add_argument("--shapes", type=names(SHAPES), default="small,wide",
+                        help="small, wide or both")
     a = parser.parse_args()
-    shapes = [SHAPES[s] for s in a.shapes.split(",")]
+    shapes = [SHAPES[s] for s in a.shapes]
     print(f"{a.n} processes, {os.cpu_count()} cores, script {SCRIPT.relative_to(HERE.parent)}"
           f", {a.repeats} alternating repeats, median")
     kernel = Kernel()

@@ -49,6 +49,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from options import at_least, count
+
 BIN = Path(sys.executable).parent
 ONE_JOB = "@@one-job@@ "
 WAYS = ("mpilab-mpi", "mpilab-torch", "torchrun-ddp", "single", "independent")
@@ -406,14 +408,14 @@ def _end(proc: subprocess.Popen) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["mlp", "cnn", "both"], default="both")
-    parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps a block")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--mlp-batch", type=int, default=16, help="per rank")
-    parser.add_argument("--cnn-batch", type=int, default=32, help="per rank")
-    parser.add_argument("--width", type=int, default=2048, help="MLP hidden width")
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--ranks", type=count, default=2)
+    parser.add_argument("--steps", type=count, default=30, help="timed steps a block")
+    parser.add_argument("--warmup", type=at_least(0), default=5)
+    parser.add_argument("--mlp-batch", type=count, default=16, help="per rank")
+    parser.add_argument("--cnn-batch", type=count, default=32, help="per rank")
+    parser.add_argument("--width", type=count, default=2048, help="MLP hidden width")
+    parser.add_argument("--bucket-mb", type=at_least(0.001, float), default=25.0)
+    parser.add_argument("--repeats", type=count, default=1,
                         help="rounds: one block of every way each, the median block kept")
     parser.add_argument("--one-job", action="store_true",
                         help="instead: the plain model, mpilab.DataParallel and DDP in turn "
