@@ -8,7 +8,7 @@ what the second does (target: at most 1.5x). Each repetition is a fresh kernel a
 fresh start; the cell is sent right after start returns, as a notebook run top to bottom
 does. Times are from execute request to the kernel's reply, through a real kernel.
 
-    .venv/bin/python benchmarks/bench_first_cell.py [--reps 3] [-n 2]
+    .venv/bin/python benchmarks/bench_first_cell.py [--reps 3] [-n 2] [--cells 3]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from options import count
+from options import at_least, count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
@@ -65,7 +65,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=count, default=3, help="fresh kernels and starts")
     parser.add_argument("-n", type=count, default=2, help="ranks")
-    parser.add_argument("--cells", type=count, default=3, help="runs of the cell per start")
+    parser.add_argument("--cells", type=at_least(2), default=3,
+                        help="runs of the cell per start (the first is held against the second)")
     args = parser.parse_args()
     rows = []
     for rep in range(args.reps):

@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 from mpilab.rank.agent import SEND_INTERVAL_S
-from options import count
+from options import at_least, count
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from kernel import Kernel  # noqa: E402
@@ -188,8 +188,11 @@ def bootstrap_interval(values: list[float], level: float = 0.9) -> tuple[float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=count, default=12)  # a multiple of the 3 modes
-    parser.add_argument("--steps", type=count, default=600)  # a cell of ~5 s: training-like
-    parser.add_argument("--phase-cells", type=count, default=4)  # in-one-cell runs, ~1 min each
+    # a cell of ~5 s: training-like; the first UNTIMED_STEPS are left out and the rest
+    # must span a few of the ranks' send cycles
+    parser.add_argument("--steps", type=at_least(UNTIMED_STEPS + 60), default=600)
+    # in-one-cell runs, ~1 min each (0: none)
+    parser.add_argument("--phase-cells", type=at_least(0), default=4)
     parser.add_argument("-n", "--ranks", type=count, default=2, help="ranks to start")
     parser.add_argument("--threads", type=count, default=None,
                         help="torch threads per rank (default: the bootstrap's)")
