@@ -64,6 +64,10 @@ for n in (20, 23):
         loader.set_epoch(epoch)
         epochs.append([batch[0].tolist() for batch in loader])
     out[n] = {"epochs": epochs, "len": len(loader)}
+try:
+    mpilab.shard(5, batch_size=2)
+except TypeError as e:
+    out["not a dataset"] = str(e)
 everyone = ctx.comm.gather(out, root=0)
 if ctx.rank == 0:
     report(everyone)
@@ -78,3 +82,5 @@ def test_shard_on_two_real_ranks() -> None:
             assert sorted(seen) == list(range(int(n)))
         assert by_rank[0][n]["len"] == by_rank[1][n]["len"] == len(by_rank[0][n]["epochs"][0])
         assert by_rank[0][n]["epochs"][0] != by_rank[0][n]["epochs"][1]
+    assert by_rank[0]["not a dataset"] == ("mpilab.shard takes a dataset with a length and "
+                                           "indexing (a torch Dataset, a list), got int")

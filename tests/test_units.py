@@ -6,11 +6,13 @@ import os
 import time
 
 import pytest
+import torch
 from mpilab.cell_window import CellWindow
 from mpilab.cluster import ClusterConfig, ClusterError, check_one_world, find_mpiexec
 from mpilab.metrics_store import MetricsStore
-from mpilab.rank.agent import SEND_INTERVAL_S, next_send_time
+from mpilab.rank.agent import SEND_INTERVAL_S, log, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
+from mpilab.rank.progress import progress
 from mpilab.relay import OutputRelay
 from mpilab.selection import format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
@@ -544,3 +546,25 @@ def test_kept_buffers_ask_for_huge_pages_from_4_mib():
     assert view.sum().item() == 10
     small = kept_zeros(1000, torch.int64, cpu)
     assert small.dtype is torch.int64 and small.shape == (1000,) and not small.any()
+
+
+@pytest.mark.parametrize("call, line", [
+    (lambda: log(loss="abc"), "mpilab.log(loss=…) takes a number (a float, an int or a "
+                              "one-element tensor), got str 'abc'"),
+    (lambda: log(acc=torch.ones(3)), "mpilab.log(acc=…) takes a number (a float, an int "
+                                     "or a one-element tensor), got Tensor of shape (3,)"),
+    (lambda: progress(5), "mpilab.progress takes an iterable (range(n), a DataLoader), got "
+                          "int: range(5)?"),
+])
+def test_rank_helpers_given_the_wrong_kind_of_value_say_what_they_take(call, line):
+    """Said at the call, in one line, not as float()'s or a generator's error at the
+    loop's first step."""
+    with pytest.raises(TypeError) as info:
+        call()
+    assert str(info.value) == line
+
+
+def test_rank_helpers_take_what_a_training_loop_passes():
+    log(loss=torch.tensor(0.5, requires_grad=True), step_time=0.1, epoch=2)
+    assert list(progress(range(3))) == [0, 1, 2]
+    assert list(progress("ab")) == ["a", "b"]

@@ -286,9 +286,24 @@ def install(agent: Agent) -> Agent:
 
 
 def log(step: int | None = None, **scalars: float) -> None:
-    """Send loss and friends to the dashboard (no-op in a batch job)."""
+    """Send loss and friends to the dashboard: numbers, or one-element tensors such as a
+    loss as it is (no-op in a batch job)."""
     agent = current()
     if step is None:
         step = agent.state.step
-    values = {k: float(v) for k, v in scalars.items()}
+    values = {}
+    for name, value in scalars.items():
+        detach = getattr(value, "detach", None)  # a loss tensor, passed as it is
+        try:
+            values[name] = float(detach() if detach is not None else value)
+        except (TypeError, ValueError):
+            raise TypeError(f"mpilab.log({name}=…) takes a number (a float, an int or a "
+                            f"one-element tensor), got {_described(value)}") from None
     agent.emit("log", step=int(step), values=values)
+
+
+def _described(value: object) -> str:
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"{type(value).__name__} of shape {tuple(shape)}"
+    return f"{type(value).__name__} {value!r:.40}"

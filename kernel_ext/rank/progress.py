@@ -19,6 +19,17 @@ REPORT_INTERVAL_S = 0.2
 
 
 def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
+    """`iterable`, item by item, with a bar under the cell (rank 0's position). Its
+    argument is checked at the call: the loop is a generator, which would fail only at its
+    first step, in mpilab's code."""
+    if not (hasattr(iterable, "__iter__") or hasattr(iterable, "__getitem__")):
+        hint = f": range({iterable})?" if isinstance(iterable, int) else ""
+        raise TypeError(f"mpilab.progress takes an iterable (range(n), a DataLoader), got "
+                        f"{type(iterable).__name__}{hint}")
+    return _progress(iterable, total, desc)
+
+
+def _progress(iterable: Iterable[T], total: int | None, desc: str) -> Iterator[T]:
     agent = agent_mod.current()
     if total is None:
         try:

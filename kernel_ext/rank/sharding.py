@@ -106,6 +106,11 @@ def shard(dataset: Any, batch_size: int, shuffle: bool = True, seed: int = 0,
           drop_last: bool = False, **loader_kwargs: Any) -> ShardLoader:
     """This rank's DataLoader over `dataset` (extra keyword arguments go to DataLoader)."""
     ctx = context()
-    plan = ShardPlan(len(dataset), ctx.world_size, ctx.rank, batch_size, shuffle, seed,
+    try:
+        n_samples = len(dataset)
+    except TypeError:
+        raise TypeError(f"mpilab.shard takes a dataset with a length and indexing (a torch "
+                        f"Dataset, a list), got {type(dataset).__name__}") from None
+    plan = ShardPlan(n_samples, ctx.world_size, ctx.rank, batch_size, shuffle, seed,
                      drop_last)
     return ShardLoader(dataset, batch_sampler=ShardSampler(plan), **loader_kwargs)
