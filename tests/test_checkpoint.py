@@ -81,6 +81,15 @@ out["leftovers"] = sorted(p for p in os.listdir(d) if ".tmp-" in p and "rt.pt" i
 open(f"{d}/a_file", "w").close()
 out["unwritable"] = error_of(lambda: mpilab.save_checkpoint(f"{d}/a_file/ck.pt", model, opt))
 out["missing"] = error_of(lambda: mpilab.load_checkpoint(f"{d}/nope.pt", model, opt))
+out["not a model"] = error_of(lambda: mpilab.save_checkpoint(f"{d}/x.pt", "model", opt))
+out["not an optimizer"] = error_of(lambda: mpilab.load_checkpoint(f"{d}/rt.pt", model, 0.1))
+
+# mpilab's wrappers are saved and loaded as what they wrap
+model, opt = trained(3)
+wrapped, scaled = mpilab.DataParallel(model), mpilab.ScaledLR(opt, scale=2, warmup_steps=1)
+mpilab.save_checkpoint(f"{d}/wrapped.pt", wrapped, scaled)
+mpilab.load_checkpoint(f"{d}/wrapped.pt", wrapped, scaled)
+out["wrappers"] = same(wrapped.state_dict(), torch.load(f"{d}/wrapped.pt")["model"])
 everyone = ctx.comm.gather(out, root=0)
 if ctx.rank == 0:
     report(everyone)
@@ -116,6 +125,17 @@ def test_errors_name_the_path_on_every_rank(results: list) -> None:
         assert "a_file/ck.pt" in got["unwritable"]
         assert got["missing"].startswith("CheckpointError: cannot read checkpoint")
         assert "nope.pt" in got["missing"]
+
+
+def test_a_wrong_argument_is_refused_on_every_rank_and_the_ranks_stay_in_step(results):
+    """Checked on every rank before rank 0 writes alone: a rank that raised early would
+    leave the others in the save's broadcast, paired with the next collective."""
+    for got in results:
+        assert got["not a model"] == ("TypeError: mpilab.save_checkpoint's model is a "
+                                      "torch.nn.Module, got str")
+        assert got["not an optimizer"] == ("TypeError: mpilab.load_checkpoint's optimizer is "
+                                           "a torch optimizer or None, got float")
+        assert got["wrappers"]
 
 
 def test_outside_a_cluster_says_so(tmp_path: Path) -> None:

@@ -58,6 +58,8 @@ def test_bad_input_is_named(results: list) -> None:
     assert "'avg'" in errors["op"] and "sum, mean, max, min" in errors["op"]
     assert "'nccl'" in errors["backend"] and "auto, mpi, torch" in errors["backend"]
     assert "root 5" in errors["root"]
+    assert errors["root_text"] == "TypeError: mpilab.broadcast's root is a rank number, got str '0'"
+    assert all(got["numpy_root"] == [1.0, 1.0] for got in results)
     # what is not a tensor is named, with how to make one
     assert errors["list"] == ("TypeError: mpilab.allreduce's tensor must be a tensor or a "
                               "list of tensors, got a list holding an int: make each a "

@@ -31,6 +31,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the path and cause."""
 
 
+def _check_arguments(name: str, model: Any, optimizer: Any) -> None:
+    """On every rank, before any rank acts alone: a wrong argument raises everywhere.
+    Anything with a state (state_dict and load_state_dict) will do: a torch module or
+    optimizer, or mpilab's wrappers of them."""
+    for role, value, what in (("model", model, "a torch.nn.Module"),
+                              ("optimizer", optimizer, "a torch optimizer or None")):
+        if role == "optimizer" and value is None:
+            continue
+        if not all(callable(getattr(value, m, None)) for m in ("state_dict", "load_state_dict")):
+            raise TypeError(f"mpilab.{name}'s {role} is {what}, got {type(value).__name__}")
+
+
 def _share_text(text: str | None) -> str | None:
     """Rank 0's `text` (or None) on every rank, through interruptible broadcasts."""
     data = (text or "").encode()
@@ -65,16 +77,17 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None, **extra: Any) -> Path:
     """Save model, optimizer and `extra` to `path` (rank 0 writes; every rank returns)."""
     ctx = context()
+    _check_arguments("save_checkpoint", model, optimizer)
     target = Path(path).expanduser()
     error = None
     if ctx.rank == 0:
-        payload = {
-            "format": FORMAT,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "extra": extra,
-        }
-        try:
+        try:  # whatever fails here fails on every rank, below: the ranks stay in step
+            payload = {
+                "format": FORMAT,
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                "extra": extra,
+            }
             _write_atomically(target, payload)
         except Exception as e:  # noqa: BLE001 - every rank raises it below
             error = f"cannot write checkpoint {str(target)!r}: {e}"
@@ -90,6 +103,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Restore model (and optimizer) from `path` on every rank; returns the saved `extra`."""
     ctx = context()
+    _check_arguments("load_checkpoint", model, optimizer)
     source = Path(path).expanduser()
     data, error = b"", None
     if ctx.rank == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import operator
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -362,11 +363,17 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
     if backend in _HOST_TRANSPORTS and run_planned(_plans, tensor, "broadcasts", root):
         return tensor  # as allreduce does
     plan = tensor_plan(tensor)
-    if plan is not None and backend in _HOST_TRANSPORTS and 0 <= root < plan.size:
+    if plan is not None and backend in _HOST_TRANSPORTS and type(root) is int \
+            and 0 <= root < plan.size:
         waiting.reuse(plan.contexts["broadcast"]).run(plan.broadcaster(root))
         return tensor
     ctx = context()
     check_tensor_argument("mpilab.broadcast's tensor", tensor)
+    try:
+        root = operator.index(root)
+    except TypeError:
+        raise TypeError(f"mpilab.broadcast's root is a rank number, got "
+                        f"{type(root).__name__} {root!r}") from None
     if not 0 <= root < ctx.world_size:
         raise ValueError(f"root {root} is not a rank of this {ctx.world_size}-rank cluster")
     chosen = torch_group.resolve_transport(backend, tensor)

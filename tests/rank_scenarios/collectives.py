@@ -53,6 +53,10 @@ def main(ctx: Any, report: Any) -> None:
     odd = mpilab.allreduce(torch.tensor([ctx.rank, -ctx.rank], dtype=torch.int64), op="mean")
     out["int_mean_floor"] = odd.tolist()
     out["errors"]["root"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root=5))
+    out["errors"]["root_text"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root="0"))
+    at_numpy_root = torch.ones(2) * ctx.rank
+    mpilab.broadcast(at_numpy_root, root=np.int64(1))  # any integer type names a rank
+    out["numpy_root"] = at_numpy_root.tolist()
     out["errors"]["list"] = error_of(lambda: mpilab.allreduce([1, 2]))
     out["errors"]["array"] = error_of(lambda: mpilab.broadcast(np.ones(2)))
     out["errors"]["out"] = error_of(lambda: mpilab.allgather(torch.ones(2), out=[0, 0]))
