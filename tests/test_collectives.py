@@ -58,6 +58,9 @@ def test_bad_input_is_named(results: list) -> None:
     assert "'avg'" in errors["op"] and "sum, mean, max, min" in errors["op"]
     assert "'nccl'" in errors["backend"] and "auto, mpi, torch" in errors["backend"]
     assert "root 5" in errors["root"]
+    assert errors["bool"] == ("TypeError: mpilab.allreduce does not reduce torch.bool tensors: "
+                              "t.to(torch.uint8) reduced with op='max' is any, with op='min' "
+                              "all")
     assert errors["root_text"] == "TypeError: mpilab.broadcast's root is a rank number, got str '0'"
     assert all(got["numpy_root"] == [1.0, 1.0] for got in results)
     # what is not a tensor is named, with how to make one

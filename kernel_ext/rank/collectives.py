@@ -341,9 +341,19 @@ def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
     return tensor
 
 
+def _unreduced_hint(dtype: torch.dtype) -> str:
+    """What to do with a tensor of a dtype the reductions do not take."""
+    if dtype == torch.bool:
+        return "t.to(torch.uint8) reduced with op='max' is any, with op='min' all"
+    if dtype.is_complex:
+        return "torch.view_as_real(t) is a float view of the same memory: reduce that"
+    return "make it a float or integer tensor"
+
+
 def _mpi_allreduce(tensor: torch.Tensor, op: str) -> None:
     if tensor.dtype not in reduction.HOST_DTYPES:
-        raise TypeError(f"allreduce over MPI does not support {tensor.dtype}")
+        raise TypeError(f"mpilab.allreduce does not reduce {tensor.dtype} tensors: "
+                        + _unreduced_hint(tensor.dtype))
     buf = _host_buffer(tensor, reduction.host_dtype(tensor.dtype))
     reduction.allreduce_host(buf, op, private_comm())
     with torch.no_grad():

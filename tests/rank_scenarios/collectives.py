@@ -53,6 +53,7 @@ def main(ctx: Any, report: Any) -> None:
     odd = mpilab.allreduce(torch.tensor([ctx.rank, -ctx.rank], dtype=torch.int64), op="mean")
     out["int_mean_floor"] = odd.tolist()
     out["errors"]["root"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root=5))
+    out["errors"]["bool"] = error_of(lambda: mpilab.allreduce(torch.ones(2, dtype=torch.bool)))
     out["errors"]["root_text"] = error_of(lambda: mpilab.broadcast(torch.ones(2), root="0"))
     at_numpy_root = torch.ones(2) * ctx.rank
     mpilab.broadcast(at_numpy_root, root=np.int64(1))  # any integer type names a rank
