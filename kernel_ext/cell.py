@@ -17,7 +17,7 @@ from ipyparallel.error import TaskAborted
 from .cell_window import CellWindow
 from .cluster import RankCluster
 from .live import LiveViews
-from .relay import DEFAULT_OUTPUT_CAP, OutputRelay, discard, strip_ansi
+from .relay import DEFAULT_OUTPUT_CAP, OutputRelay, StreamCursor, discard, strip_ansi
 from .selection import rank_label
 from .watchdog import (
     DEFAULT_HANG_TIMEOUT_S,
@@ -102,7 +102,7 @@ class RunningCell:
         # the result's own metadata: the client forgets it once the output is complete
         metadata = ar.metadata if isinstance(ar.metadata, list) else [ar.metadata]
         self._metadata = dict(zip(ranks, metadata))
-        self._offsets = {(r, s): 0 for r in ranks for s in STREAMS}
+        self._cursors = {(r, s): StreamCursor() for r in ranks for s in STREAMS}
         self._outputs_shown = {r: 0 for r in ranks}
         # --quiet writes nothing, but the relay still keeps each rank's last lines: a
         # death report shows them
@@ -129,11 +129,9 @@ class RunningCell:
         quiet = self.options.quiet
         for r, md in self._metadata.items():
             for stream in STREAMS:
-                text = md[stream] or ""
-                start = self._offsets[(r, stream)]
-                if len(text) > start:
-                    self._offsets[(r, stream)] = len(text)
-                    clean = strip_ansi(text[start:])
+                new = self._cursors[(r, stream)].read(md[stream] or "", final)
+                if new:
+                    clean = strip_ansi(new)
                     self.relay.feed(r, stream, clean, now)
                     if self.by_rank is not None:
                         self.by_rank.feed(r, clean)

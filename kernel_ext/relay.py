@@ -24,6 +24,62 @@ def discard(stream: str, text: str) -> None:
     """A relay's writer for --quiet cells."""
 
 
+_DIRTY = re.compile(r"\r[^\n]")  # a carriage return that a later character overwrites
+
+
+def overwritten(line: str) -> str:
+    """A line as the notebook shows it: a carriage return with more of the line after it
+    starts the line again (a progress bar redrawn in place shows its last state), one at
+    its end is dropped. The rule ipyparallel applies to what it keeps of a stream, so a
+    line reads the same however much of it ipyparallel had rewritten."""
+    cut = line.rfind("\r", 0, len(line) - 1)
+    return line[cut + 1:].rstrip("\r")
+
+
+class StreamCursor:
+    """Reads one rank's stream as ipyparallel accumulates it (`metadata["stdout"]`),
+    complete lines as they arrive and the unfinished one at the end, each line once and
+    as a notebook would show it (`overwritten`): the relay prefixes and merges lines of
+    several ranks, where a carriage return would overwrite another rank's line.
+
+    The accumulated text is not append-only: when a chunk holding a carriage return
+    arrives, ipyparallel deletes, in every line, what a carriage return followed by more
+    text overwrites. The line still being written may shrink, and so may a line already
+    read (one whose carriage return ended an earlier chunk). So the cursor reads complete
+    lines only, and checks, in O(1), whether a line it read has been rewritten since; if
+    so it finds its place again by counting line breaks, which no rewrite removes.
+    """
+
+    def __init__(self) -> None:
+        self.done = 0  # offset just past the last line break read
+        self.lines = 0  # line breaks read
+        self.mark: int | None = None  # offset of the first overwriting \r read, unrewritten
+
+    def read(self, text: str, final: bool = False) -> str:
+        """What is new in `text` (the stream's accumulated text now): complete lines, and
+        with `final` the unfinished last one."""
+        mark = self.mark
+        if mark is not None and not (text[mark:mark + 1] == "\r"
+                                     and text[mark + 1:mark + 2] not in ("", "\n")):
+            # rewritten: every overwriting \r is gone, and nothing was added or removed
+            # between line breaks but what they overwrote
+            at = -1
+            for _ in range(self.lines):
+                at = text.index("\n", at + 1)
+            self.done, self.mark = at + 1, None
+        end = len(text) if final else text.rfind("\n", self.done) + 1
+        if end <= self.done:
+            return ""
+        new = text[self.done:end]
+        if self.mark is None:
+            dirty = _DIRTY.search(new)
+            if dirty is not None:
+                self.mark = self.done + dirty.start()
+        self.lines += new.count("\n")
+        self.done = end
+        return "\n".join(overwritten(line) for line in new.split("\n")) if "\r" in new else new
+
+
 @dataclass
 class _Pending:
     text: str

@@ -118,6 +118,24 @@ def test_identical_output_shown_once_different_output_per_rank(ranks):
     assert "[rank 0] mine 0" in run.stdout and "[rank 1] mine 1" in run.stdout
 
 
+def test_a_line_redrawn_in_place_shows_its_last_state_on_each_rank(ranks):
+    """A progress bar written with carriage returns (tqdm's text bar, on stderr): each
+    rank's line as the notebook would show it alone, its last state, however its
+    redraws were cut into chunks; before, ipyparallel's rewriting of the stream it keeps
+    left fragments of the first and the last redraws, spliced."""
+    run = ranks.run("%%ranks\nimport sys, time\nfor i in range(6):\n"
+                    "    sys.stderr.write(f'\\rtrain {i}/5 ' + '#' * i); sys.stderr.flush()\n"
+                    "    time.sleep(0.12)\nsys.stderr.write('\\n')\nprint('after', rank)")
+    assert run.ok, run.text
+    assert "\r" not in run.stderr, repr(run.stderr)
+    lines = run.stderr.splitlines()
+    assert lines and all(line.endswith("] train 5/5 #####") for line in lines), lines
+    assert lines in (["[ranks 0-1] train 5/5 #####"],
+                     ["[rank 0] train 5/5 #####", "[rank 1] train 5/5 #####"],
+                     ["[rank 1] train 5/5 #####", "[rank 0] train 5/5 #####"]), lines
+    assert "[rank 0] after 0" in run.stdout and "[rank 1] after 1" in run.stdout
+
+
 def test_rank_selection(ranks):
     run = ranks.run("%%ranks 1\nprint('hi from', rank)")
     assert run.stdout == "hi from 1\n"

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import random
+import re
 import time
 
 import pytest
@@ -13,7 +15,7 @@ from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import SEND_INTERVAL_S, log, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.rank.progress import progress
-from mpilab.relay import OutputRelay
+from mpilab.relay import OutputRelay, StreamCursor, overwritten
 from mpilab.selection import format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
 from mpilab.watchdog import Watchdog
@@ -568,3 +570,39 @@ def test_rank_helpers_take_what_a_training_loop_passes():
     log(loss=torch.tensor(0.5, requires_grad=True), step_time=0.1, epoch=2)
     assert list(progress(range(3))) == [0, 1, 2]
     assert list(progress("ab")) == ["a", "b"]
+
+
+def _ipyparallel_accumulates(text: str, chunk: str) -> str:
+    """What ipyparallel's client keeps of a rank's stream as a chunk arrives: the text so
+    far plus the chunk, and when the chunk holds a carriage return, every line cut to
+    what follows its last carriage return that more text follows (Client._handle_iopub)."""
+    text += chunk
+    return re.sub(r".*\r(?=[^\n])", "", text) if "\r" in chunk else text
+
+
+def test_stream_cursor_reads_a_progress_line_as_the_notebook_shows_it():
+    cursor, text, read = StreamCursor(), "", []
+    for chunk in ["epoch 1\n", "0\r", "1\r", "2\r", "\n", "a\r", "b\n", "c\rd\n", "tail\r"]:
+        text = _ipyparallel_accumulates(text, chunk)
+        read.append(cursor.read(text))
+    read.append(cursor.read(text, final=True))
+    assert "".join(read) == "epoch 1\n2\nb\nd\ntail"
+
+
+def test_stream_cursor_gives_every_line_once_however_the_stream_is_cut():
+    """Random text of letters, carriage returns and line breaks, cut into random chunks
+    and read at random moments: what the cursor gives is the whole stream, each line as
+    a notebook shows it, whatever ipyparallel rewrote in between."""
+    rng = random.Random(7)
+    for _ in range(400):
+        stream = "".join(rng.choice("ab\r\r\n") for _ in range(rng.randrange(0, 60)))
+        cursor, text, read, at = StreamCursor(), "", [], 0
+        while at < len(stream):
+            step = rng.randrange(1, 6)
+            text = _ipyparallel_accumulates(text, stream[at:at + step])
+            at += step
+            if rng.random() < 0.6:
+                read.append(cursor.read(text))
+        read.append(cursor.read(text, final=True))
+        assert "".join(read) == "\n".join(overwritten(line) for line in stream.split("\n")), \
+            repr(stream)
