@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Iterable
 
+from mpilab.wire import SIZES_HELP, parse_sizes
+
 
 def at_least(minimum: float, kind: type = int) -> Callable[[str], float]:
     """An option's type: a number of `kind` no smaller than `minimum` (ranks,
@@ -50,8 +52,6 @@ def names(known: Iterable[str]) -> Callable[[str], list[str]]:
 
 def sizes(text: str) -> list[int]:
     """An option's type: message sizes as `%mpilab bench --sizes` takes them, in bytes."""
-    from mpilab.wire import parse_sizes
-
     try:
         return parse_sizes(text)
     except ValueError as err:
@@ -63,8 +63,7 @@ def collective_parser(doc: str, default_sizes: str, repeats: int) -> argparse.Ar
     byte counts once parsed), --repeats, -n."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--sizes", type=sizes, default=default_sizes,
-                        help=f"every power of two from:to, or sizes and ranges separated "
-                             f"by commas (default {default_sizes})")
+                        help=f"{SIZES_HELP} (default {default_sizes})")
     parser.add_argument("--repeats", type=count, default=repeats,
                         help=f"timed repetitions, the median reported (default {repeats})")
     parser.add_argument("-n", type=count, default=2, help="ranks (when launching mpiexec)")

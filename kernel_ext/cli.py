@@ -12,7 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .wire import BENCH_COLLECTIVES, BENCH_RESULT_PREFIX
+from .wire import BENCH_COLLECTIVES, BENCH_RESULT_PREFIX, SIZES_HELP
 
 KERNEL_NAME = "mpilab"
 KERNEL_DISPLAY_NAME = "Python (mpilab)"
@@ -336,8 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("op", choices=BENCH_COLLECTIVES)
     bench.add_argument("-n", type=int, default=2, help="ranks (default 2)")
     bench.add_argument("--sizes", default="4K:64M",
-                       help="message sizes: every power of two from:to, or sizes and ranges "
-                       "separated by commas (default 4K:64M)")
+                       help=f"{SIZES_HELP} (default 4K:64M)")
     bench.add_argument("--backends", default="mpi,gloo,mpilab",
                        help="any of mpi, gloo, nccl, mpilab (default mpi,gloo,mpilab)")
     bench.add_argument("--mpiexec", default=None, help="the mpiexec to use")

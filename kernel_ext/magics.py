@@ -16,7 +16,7 @@ from .cluster import ClusterConfig, ClusterError
 from .placement import SlurmSettings
 from .selection import parse_ranks
 from .session import Session
-from .wire import BENCH_COLLECTIVES, DEFAULT_COLLECTIVE_TIMEOUT_S
+from .wire import BENCH_COLLECTIVES, DEFAULT_COLLECTIVE_TIMEOUT_S, SIZES_HELP
 
 # each subcommand, what it does in one line (`%mpilab?` and `%mpilab help` list them)
 SUMMARIES = {
@@ -244,8 +244,7 @@ class MpilabMagics(Magics):
     @argument("op", choices=BENCH_COLLECTIVES,
               help="the collective to measure: allreduce, broadcast or allgather")
     @argument("--sizes", default="4K:64M", metavar="SIZES",
-              help="message sizes: every power of two from:to, or sizes and ranges "
-                       "separated by commas (default 4K:64M)")
+              help=f"{SIZES_HELP} (default 4K:64M)")
     @argument("--backends", default="mpi,gloo,nccl,mpilab", metavar="LIST",
               help="any of mpi, gloo, nccl, mpilab (default: all; nccl needs GPUs)")
     def _bench_args(self, line):

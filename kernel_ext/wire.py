@@ -213,6 +213,10 @@ BENCH_BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
+SIZES_HELP = ("message sizes: every power of two from:to, or sizes and ranges separated "
+              "by commas")  # what parse_sizes reads, for the options that take it
+
+
 def parse_sizes(spec: str) -> list[int]:
     """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]; a comma list of
     either ('4K,1M:4M') → the sizes of each, in order, each once. K/M/G are binary."""
