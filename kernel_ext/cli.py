@@ -52,7 +52,9 @@ def install_kernel(user: bool | None = None, prefix: str | None = None) -> tuple
     """Install the "Python (mpilab)" kernelspec; returns (its folder, whether it changed).
 
     Default place: this environment's share/jupyter/kernels inside a virtual environment
-    (the kernel goes away with it), else the user's kernels folder.
+    (the kernel goes away with it), else the user's kernels folder. Installed already
+    means installed there: a kernel of the same name elsewhere (this environment's, when
+    the user's folder is asked for) does not count.
     """
     from jupyter_client.kernelspec import KernelSpecManager
 
@@ -61,19 +63,20 @@ def install_kernel(user: bool | None = None, prefix: str | None = None) -> tuple
             prefix = sys.prefix
         else:
             user = True
-    spec = kernel_spec()
-    manager = KernelSpecManager()
+    spec, manager = kernel_spec(), KernelSpecManager()
+    kernels = Path(manager.user_kernel_dir) if user else \
+        Path(prefix).expanduser().resolve() / "share" / "jupyter" / "kernels"
     try:
-        current = manager.get_kernel_spec(KERNEL_NAME)
-        if _same_command(current.argv, spec["argv"]) \
-                and current.display_name == spec["display_name"]:
-            return Path(current.resource_dir), False
-    except Exception:  # noqa: BLE001 - jupyter_client raises NoSuchKernel: not installed
+        current = json.loads((kernels / KERNEL_NAME / "kernel.json").read_text())
+        if _same_command(current["argv"], spec["argv"]) \
+                and current["display_name"] == spec["display_name"]:
+            return kernels / KERNEL_NAME, False
+    except (OSError, ValueError, KeyError, TypeError):  # not there, or not one of ours
         pass
     with tempfile.TemporaryDirectory() as staging:
         (Path(staging) / "kernel.json").write_text(json.dumps(spec, indent=1))
-        where = manager.install_kernel_spec(staging, KERNEL_NAME, user=bool(user),
-                                            prefix=None if user else prefix)
+        where = manager.install_kernel_spec(
+            staging, KERNEL_NAME, user=bool(user), prefix=None if user else str(prefix))
     return Path(where), True
 
 
@@ -157,7 +160,7 @@ def cmd_run(args) -> int:
     """Execute a notebook headless (nbclient), ranks included; save it and its HTML."""
     import nbformat
     from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
     source = Path(args.notebook)
     if not source.exists():
@@ -172,9 +175,14 @@ def cmd_run(args) -> int:
     wants_mpilab = nb.metadata.get("kernelspec", {}).get("name") == KERNEL_NAME
     # no widget state in the saved notebook: each live dashboard would add megabytes,
     # and its static plot (the cell's final output) is what a reader of the file needs
+    running: list[int] = []  # the index of the cell that runs now
+
+    def started(cell, cell_index: int) -> None:
+        running[:] = [cell_index]
+
     client = NotebookClient(nb, timeout=args.cell_timeout, kernel_name="python3",
                             extra_arguments=[f"--ext={KERNEL_NAME}"] if wants_mpilab else [],
-                            store_widget_state=False,
+                            store_widget_state=False, on_cell_start=started,
                             resources={"metadata": {"path": str(source.parent.resolve())}})
     status = 0
     try:
@@ -183,6 +191,16 @@ def cmd_run(args) -> int:
         status = 1
         first = str(e).strip().splitlines()
         print(f"mpilab: {source.name}: a cell failed: {first[-1] if first else e}",
+              file=sys.stderr)
+    except (CellTimeoutError, DeadKernelError) as e:  # the ranks go with the kernel
+        status = 1
+        what = (f"ran past --cell-timeout ({args.cell_timeout} s)"
+                if isinstance(e, CellTimeoutError) else "ended with its kernel's death")
+        where = ""
+        if running:
+            line = next(iter(nb.cells[running[0]].source.strip().splitlines()), "")
+            where = f" (cell {running[0] + 1}: {line[:60]})"
+        print(f"mpilab: {source.name}: a cell {what}{where}; the cells before it ran",
               file=sys.stderr)
     out = Path(args.output) if args.output else None
     if out:
@@ -349,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
     if extra and args.command != "lab":
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.lab_args = extra
-    return args.func(args)
+    try:
+        return args.func(args)
+    except OSError as e:  # a folder or file given (or defaulted) that cannot be written
+        where = f"{e.filename}: " if e.filename else ""
+        return _fail(f"{where}{e.strerror or e}")
 
 
 if __name__ == "__main__":

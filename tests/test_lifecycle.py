@@ -107,6 +107,8 @@ def test_doctor_reports_what_it_found():
     (["bench", "allreduce", "--backends", "foo"], "bench backend 'foo' is not one of"),
     (["lab", "--port", "9999"], "9999: no such notebook (options for jupyter lab take their "
                                 "value after '=', as in --port=9999)"),
+    (["lab", "--dir", "/proc/mpilab-nowhere"], "/proc/mpilab-nowhere: No such file or directory"),
+    (["install-kernel", "--prefix", "/proc/mpilab-nowhere"], "No such file or directory"),
 ])
 def test_cli_bad_input_is_one_line(args, message):
     proc = subprocess.run([MPILAB, *args], capture_output=True, text=True, timeout=60)
@@ -114,6 +116,52 @@ def test_cli_bad_input_is_one_line(args, message):
     said = proc.stderr.strip()
     assert said.startswith("mpilab: ") and message in said, said  # a path may lead the line
     assert len(proc.stderr.strip().splitlines()) == 1 and not proc.stdout
+
+
+def test_install_kernel_installs_where_asked_once(tmp_path):
+    """--prefix and --user each get their own kernel, though this environment has one of
+    the same name (which `mpilab lab` installed): that one is not where they asked."""
+    env = {**os.environ, "JUPYTER_DATA_DIR": str(tmp_path / "user")}
+
+    def install(*args: str) -> str:
+        proc = subprocess.run([MPILAB, "install-kernel", *args], capture_output=True,
+                              text=True, timeout=60, env=env)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout.strip()
+
+    prefix = tmp_path / "prefix"
+    kernels = prefix / "share" / "jupyter" / "kernels" / "mpilab"
+    assert install("--prefix", str(prefix)) == \
+        f"mpilab: kernel 'Python (mpilab)' installed in {kernels}"
+    assert install("--prefix", str(prefix)) == \
+        f"mpilab: kernel 'Python (mpilab)' already installed in {kernels}"
+    spec = json.loads((kernels / "kernel.json").read_text())
+    assert Path(spec["argv"][0]).parent == Path(sys.executable).parent  # this environment
+    assert "--ext=mpilab" in spec["argv"]
+    user = tmp_path / "user" / "kernels" / "mpilab"
+    assert install("--user") == f"mpilab: kernel 'Python (mpilab)' installed in {user}"
+    assert (user / "kernel.json").exists()
+
+
+def test_run_stops_at_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path):
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("print('first cell ran')"),
+        nbformat.v4.new_code_cell("import time\ntime.sleep(120)"),
+        nbformat.v4.new_code_cell("print('never')"),
+    ])
+    nbformat.write(nb, tmp_path / "slow.ipynb")
+    out = tmp_path / "out.ipynb"
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "slow.ipynb"), "-o", str(out),
+                           "--cell-timeout", "3"], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 1, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("mpilab: ")]
+    assert said == ["mpilab: slow.ipynb: a cell ran past --cell-timeout (3 s) (cell 2: import "
+                    "time); the cells before it ran"], proc.stderr
+    kept = nbformat.read(out, as_version=4)
+    assert kept.cells[0].outputs[0]["text"] == "first cell ran\n"
+    assert not kept.cells[2].get("outputs")
 
 
 def test_mpilab_lab_serves_the_examples(tmp_path):
