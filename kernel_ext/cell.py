@@ -39,6 +39,7 @@ OUTPUT_TRAIL_S = 5.0
 # death (the process gone, mpiexec's report) before it is asked to name it
 DEATH_SETTLE_S = 0.5
 STREAMS = ("stdout", "stderr")
+STOPPED_NOTE = "the ranks were stopped while this cell ran (`%mpilab stop` or restart)"
 
 
 @dataclass
@@ -115,6 +116,13 @@ class RunningCell:
         self._singles = dict(zip(ranks, ar.split()))
         self.watchdog = Watchdog(cluster, ranks, options.hang_timeout, self.views.cell)
         self._deadline: float | None = None  # monotonic; set once the ranks begin the cell
+        self._generation = cluster.generation  # the ranks this cell runs on (RankCluster)
+
+    @property
+    def stopped(self) -> bool:
+        """The ranks this cell ran on were stopped (`%mpilab stop` or restart, from another
+        cell while this one ran with --noblock): there is nothing left to watch or mend."""
+        return self.cluster.generation != self._generation
 
     @property
     def window(self) -> CellWindow:
@@ -152,6 +160,9 @@ class RunningCell:
         watchdog's verdict, once --timeout has passed, or on Ctrl-C."""
         try:
             while not self.ar.wait(TICK_S):
+                if self.stopped:
+                    self.outcome.notes.append(STOPPED_NOTE)
+                    return
                 self.pump()
                 verdict = self.watchdog.check(time.time(), _finished(self._singles))
                 if verdict is not None:
@@ -184,7 +195,7 @@ class RunningCell:
         outcome.notes.extend(verdict.lines)
         if verdict.dead:
             outcome.dead = verdict.dead
-            self.cluster.mark_dead(verdict.dead)
+            self.cluster.mark_dead(verdict.dead, self._generation)
             outcome.notes.append(
                 f"the cluster is down: `%mpilab restart` brings back {self.cluster.world_size}"
                 " ranks (their state was lost)")
@@ -232,7 +243,7 @@ class RunningCell:
             outcome.notes.append(
                 f"{rank_label(outcome.dropped)} had not begun the cell: an earlier --noblock "
                 "cell still runs there and goes on; this one was taken off their queue")
-        if not interrupted or (done and self.cluster.recover()):
+        if not interrupted or self.stopped or (done and self.cluster.recover()):
             return
         stuck = [r for r in interrupted if not singles[r].ready()]
         heartbeats = store.heartbeats if store else {}
@@ -244,6 +255,7 @@ class RunningCell:
             f"restarted the ranks: their state was lost; {last_checkpoint(store)}")
         outcome.restarted = True
         self.cluster.restart()
+        self._generation = self.cluster.generation  # this cell's own restart: it ends now
 
     def _interrupt(self, ranks: list[int]) -> None:
         try:
@@ -255,20 +267,23 @@ class RunningCell:
     # -- finish ---------------------------------------------------------------------------
     def finish(self) -> CellOutcome:
         """The last output, the dashboard's final drawing, and the cell's outcome."""
-        ar, outcome = self.ar, self.outcome
-        if ar.ready():
+        ar, outcome, stopped = self.ar, self.outcome, self.stopped
+        if ar.ready() and not stopped:
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
         self.pump(final=True)
-        engines_died = _engines_died(self._singles)
+        engines_died = not stopped and _engines_died(self._singles)
         self.views.finish(self.ranks if ar.ready() and not outcome.dead and not engines_died
-                          else None)
+                          and not stopped else None)
         note = self.relay.cap_note()
         if note and not self.options.quiet:
             self.write("stderr", note + "\n")
         if engines_died and not outcome.dead and not outcome.restarted:
             self._name_the_dead()
-        if outcome.dead:
+        if stopped:
+            if STOPPED_NOTE not in outcome.notes:
+                outcome.notes.append(STOPPED_NOTE)
+        elif outcome.dead:
             self._add_last_lines_of_the_dead()
         else:
             self._collect()

@@ -127,6 +127,10 @@ class RankCluster:
     engine_of_rank: dict[int, int] = field(default_factory=dict)
     store: MetricsStore | None = None
     dead: dict[int, str] = field(default_factory=dict)  # rank -> how it died
+    # which ranks these are: each start and stop makes it new, so that a cell still
+    # followed in the background (--noblock) acts on the ranks it ran on, never on the
+    # ones started after them
+    generation: int = 0
     _ipp_cluster: object = None
     _client: object = None
     _receiver: RecordReceiver | None = None
@@ -154,6 +158,7 @@ class RankCluster:
             )
         cfg = self.config
         cfg.validate()
+        self.generation += 1
         into_allocation = cfg.launcher == "slurm" and placement.in_allocation()
         mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
         if into_allocation:
@@ -351,6 +356,7 @@ class RankCluster:
         files removed, and a Slurm job cancelled and waited for.
         fast: the kernel is exiting and may be killed within seconds: wait for nothing.
         """
+        self.generation += 1
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
         held = self._lifeline
         self._client = self._ipp_cluster = self._receiver = self._lifeline = None
@@ -378,9 +384,11 @@ class RankCluster:
         self.stop()
         return self.start()
 
-    def mark_dead(self, dead: dict[int, str]) -> None:
-        """Remember dead ranks: status shows them, cells refuse to run until restart."""
-        self.dead.update(dead)
+    def mark_dead(self, dead: dict[int, str], generation: int) -> None:
+        """Remember dead ranks of `generation`: status shows them, cells refuse to run until
+        restart. The ranks of an earlier generation were stopped on purpose."""
+        if generation == self.generation:
+            self.dead.update(dead)
 
     def check_usable(self) -> None:
         if not self.running:

@@ -93,6 +93,11 @@ class MpilabMagics(Magics):
             return getattr(self, f"_{sub}")(rest)
         except (ClusterError, ValueError) as e:
             raise UsageError(str(e)) from None
+        except KeyboardInterrupt:
+            if sub in ("start", "restart"):  # the cluster stopped what it had started
+                raise UsageError(f"%mpilab {sub} interrupted: no ranks are running (nothing "
+                                 "was left behind)") from None
+            raise
 
     @classmethod
     def _args_of(cls, sub: str):

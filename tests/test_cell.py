@@ -86,6 +86,7 @@ class FakeCluster:
         self.signalled: list[int] = []
         self.aborted: list[str] = []
         self.restarts = 0
+        self.generation = 1  # which ranks these are (RankCluster.generation)
         self.on_signal = lambda rank: None
 
     def engines(self, ranks):
@@ -107,8 +108,9 @@ class FakeCluster:
 
     def restart(self) -> None:
         self.restarts += 1
+        self.generation += 2  # a stop and a start
 
-    def mark_dead(self, dead) -> None:
+    def mark_dead(self, dead, generation: int) -> None:
         pass
 
     def begin(self, ar: FakeCellResult, t: float) -> None:

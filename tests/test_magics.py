@@ -65,6 +65,21 @@ def test_engines_that_fail_to_start_show_their_output_and_leave_nothing(fresh_ke
     assert left == [] or all(p.pid in before for p in left), left
 
 
+def test_a_start_stopped_with_the_stop_button_says_so_in_one_line_and_leaves_nothing(
+        fresh_kernel):
+    run = fresh_kernel.run("%mpilab start -n 2", timeout=120, interrupt_after=1.0)
+    assert not run.ok
+    assert run.text.strip() == ("UsageError: %mpilab start interrupted: no ranks are running "
+                                "(nothing was left behind)"), run.text
+    kernel = psutil.Process(fresh_kernel.km.provisioner.process.pid)
+    deadline = time.monotonic() + 10
+    while kernel.children(recursive=True) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kernel.children(recursive=True) == []
+    again = fresh_kernel.run("%mpilab start -n 2", timeout=120)
+    assert again.ok, again.text
+
+
 def test_ranks_that_fail_their_bootstrap_say_why_in_one_line_and_leave_nothing(fresh_kernel):
     """Real ranks asked for what they lack (nccl without GPUs) fail their bootstrap
     together, at once, rather than hang in the rendezvous."""
@@ -222,6 +237,25 @@ def test_noblock_returns_at_once_and_output_lands_under_its_cell(ranks):
                    if m["parent"] == cell.msg_id and m["type"] == "stream")
     assert "[rank 0] late 0" in late and "[rank 1] late 1" in late, late
     assert ranks.run("%%ranks\nprint('next')").ok
+
+
+def test_ranks_started_after_a_stop_are_not_touched_by_a_noblock_cell_of_the_old_ones(ranks):
+    """A --noblock cell still followed when its ranks are stopped and new ones started: it
+    says once that its ranks were stopped, and leaves the new ranks alone (its follower
+    took their engines' absence for deaths and marked the new ranks dead)."""
+    cell = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(30)")
+    assert cell.ok
+    assert ranks.run("%mpilab stop", timeout=120).ok
+    started = ranks.run("%mpilab start -n 2", timeout=180)
+    assert started.ok, started.text
+    messages = ranks.collect_iopub(2.0)
+    said = "".join(m["content"].get("text", "") for m in messages
+                   if m["parent"] == cell.msg_id and m["type"] == "stream")
+    assert said == ("mpilab: the ranks were stopped while this cell ran (`%mpilab stop` or "
+                    "restart)\n"), said
+    after = ranks.run("%%ranks\nprint('new', rank)")
+    assert after.ok, after.text
+    assert "[rank 0] new 0" in after.stdout and "[rank 1] new 1" in after.stdout
 
 
 def test_push_pull_round_trip(ranks):
