@@ -16,6 +16,7 @@ from typing import Literal
 
 from .cell_window import CellWindow
 from .cluster import engine_alive
+from .selection import rank_label
 from .wire import exit_reports
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
@@ -191,6 +192,7 @@ class Watchdog:
         self._procs = {rank: proc for rank, proc in cluster.local_processes().items()
                        if rank in self._ranks}
         self._remote = [r for r in ranks if r not in self._procs and r in self._info]
+        self._outside = [r for r in range(cluster.world_size) if r not in self._ranks]
 
     def _compares(self, hb: dict) -> bool:
         """A heartbeat whose collectives are compared: a rank of this cell's, sent
@@ -285,6 +287,7 @@ class Watchdog:
         stuck = {r: hb for r, hb in waiting.items()
                  if hb is not None and hb.get("phase") == "collective"
                  and _age(hb) > self.hang_timeout and self._this_cell(hb)}
+        idle = self._idle_elsewhere(heartbeats)
         if stuck:
             progress = ", ".join(
                 f"rank {r} at collective #{hb['seq'] if hb else '?'}"
@@ -292,8 +295,20 @@ class Watchdog:
                 for r, hb in sorted(heartbeats.items()) if r in self._ranks)
             lines = [f"hang: {describe(r, hb)}" for r, hb in sorted(stuck.items())]
             lines.append(f"progress: {progress}")
+            if idle:
+                lines.append(_not_in_this_cell(idle))
             return Verdict("hang", lines, release=running)
-        return self._direct_hang(now, finished, waiting)
+        return self._direct_hang(now, finished, waiting, idle)
+
+    def _idle_elsewhere(self, heartbeats: dict[int, dict]) -> list[int]:
+        """The ranks outside this cell (`%%ranks 0` runs it on rank 0 only), when every
+        one of them is idle: none of them will join a collective of all the ranks. Empty
+        when the cell runs everywhere, or when one outside runs a cell of its own (a
+        --noblock one may be the other half of this cell's collectives)."""
+        outside = self._outside
+        if outside and all(heartbeats.get(r, {}).get("phase") == "idle" for r in outside):
+            return outside
+        return []
 
     def _waits_for_peer(self, hb: dict | None, failed_at: float) -> bool:
         """In one of mpilab's collectives, or at a line that calls one directly: a call
@@ -318,15 +333,17 @@ class Watchdog:
                 if self._at_direct_call(hb) and _COLLECTIVE_CALL.search(hb["where"])]
 
     def _direct_hang(self, now: float, finished: dict[int, Ending],
-                     waiting: dict[int, dict | None]) -> Verdict | None:
+                     waiting: dict[int, dict | None], idle: list[int]) -> Verdict | None:
         """Ranks that sit on one line calling MPI or torch.distributed directly for
-        hang_timeout while the others have finished the cell: a collective that the
-        finished ranks never joined. mpilab cannot see inside such a call; a line that
-        stays put while every peer is gone is the sign."""
+        hang_timeout while the others have finished the cell, or are `idle` outside it:
+        a collective that those ranks never joined. mpilab cannot see inside such a call;
+        a line that stays put while every peer is gone is the sign."""
         done = sorted(r for r, how in finished.items() if how == "ok")
         on_line = {}
         for r, hb in waiting.items():
-            if not (done and self._at_direct_call(hb)):
+            at_call = self._at_direct_call(hb)
+            if not ((done and at_call)
+                    or (idle and at_call and _COLLECTIVE_CALL.search(hb["where"]))):
                 self._on_line.clear()
                 return None
             where = hb["where"]
@@ -335,11 +352,22 @@ class Watchdog:
         self._on_line = on_line
         if any(now - since <= self.hang_timeout for _, since in on_line.values()):
             return None
-        peers = ("ranks " if len(done) > 1 else "rank ") + ", ".join(map(str, done))
-        lines = [f"hang: rank {r} has been at {where} for {now - since:.1f} s, and {peers} "
-                 "finished the cell without joining it" for r, (where, since)
-                 in sorted(on_line.items())]
+        if done:
+            peers = ("ranks " if len(done) > 1 else "rank ") + ", ".join(map(str, done))
+            why = f", and {peers} finished the cell without joining it"
+        else:
+            why = ""
+        lines = [f"hang: rank {r} has been at {where} for {now - since:.1f} s{why}"
+                 for r, (where, since) in sorted(on_line.items())]
+        if idle:
+            lines.append(_not_in_this_cell(idle))
         return Verdict("hang", lines, release=list(waiting), blocking=self._blocking(waiting))
+
+
+def _not_in_this_cell(idle: list[int]) -> str:
+    ranks = rank_label(idle)
+    return (f"{ranks} {'is' if len(idle) == 1 else 'are'} not running this cell, and a "
+            "collective waits for every rank: run it on all of them (`%%ranks`)")
 
 
 def last_checkpoint(store) -> str:

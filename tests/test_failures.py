@@ -172,6 +172,29 @@ def test_direct_mpi_collective_hang_diagnosed_and_restarted(nb):
                   "mpilab.allreduce(x)\nassert x[0] == 2").ok
 
 
+def test_a_collective_run_on_some_ranks_only_is_diagnosed_not_left_hanging(nb):
+    """`%%ranks 0` with a collective: rank 1 runs no cell and never joins. mpilab's own
+    collective is released after the hang timeout; a torch.distributed call (which
+    mpilab cannot see into or interrupt) is diagnosed too and the ranks restarted. It
+    waited for ever."""
+    run, took = timed(nb, "%%ranks 0 --hang-timeout 3\nx = torch.ones(3)\nmpilab.allreduce(x)")
+    assert not run.ok and took < 15, took
+    err = run.error_text
+    assert re.search(r"hang: rank 0 was waiting in allreduce #\d+", err), err
+    assert ("rank 1 is not running this cell, and a collective waits for every rank: run it "
+            "on all of them (`%%ranks`)") in err, err
+    assert nb.run("%%ranks\nx = torch.ones(2)\nmpilab.allreduce(x)\nassert x[0] == 2").ok
+    run, took = timed(nb, "%%ranks 1 --hang-timeout 3\nt = torch.ones(3)\ndist.all_reduce(t)",
+                      timeout=180)
+    assert not run.ok and took < 60, took
+    err = run.error_text
+    assert re.search(r"hang: rank 1 has been at cell line 2: dist\.all_reduce\(t\) for "
+                     r"\d+\.\d s\n", err + "\n"), err
+    assert "rank 0 is not running this cell" in err and "restarted the ranks" in err, err
+    assert nb.run("%%ranks\nimport torch, numpy as np, os, time\nx = torch.ones(2)\n"
+                  "mpilab.allreduce(x)\nassert x[0] == 2").ok
+
+
 def test_dead_rank_reported_with_signal_and_last_lines_then_restart(nb):
     pid1 = cluster_pids(nb)["engines"][1]
     run, took = timed(nb, "%%ranks\nimport os, time\nprint('last words', rank, flush=True)\n"

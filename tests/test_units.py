@@ -196,6 +196,10 @@ class _QuietCluster:
         self.store = MetricsStore(world_size=2)
         self.ranks = []
 
+    @property
+    def world_size(self) -> int:
+        return self.store.world_size
+
     def local_processes(self) -> dict:
         return {}
 
@@ -606,3 +610,34 @@ def test_stream_cursor_gives_every_line_once_however_the_stream_is_cut():
         read.append(cursor.read(text, final=True))
         assert "".join(read) == "\n".join(overwritten(line) for line in stream.split("\n")), \
             repr(stream)
+
+
+def test_a_collective_on_some_ranks_while_the_others_sit_idle_is_named_a_hang(monkeypatch):
+    """`%%ranks 1` calling dist.all_reduce: rank 0 runs no cell and never joins. After
+    the hang timeout at that line the verdict says why; not while rank 0 runs a cell of
+    its own (a --noblock one may be the other half)."""
+    cluster = _QuietCluster()
+    cell = cluster.start_cell(1)
+    call = "cell line 2: dist.all_reduce(t)"
+    cluster.beat(0, 0.0, "running", "cell line 1: other_half()", cell=5)
+    cluster.beat(1, 0.0, "running", call)
+    watchdog = Watchdog(cluster, [1], hang_timeout=3.0, cell=cell)
+    assert watchdog.check(0.0, {}) is None
+    assert watchdog.check(10.0, {}) is None  # rank 0 is busy: it may join
+    cluster.beat(0, 10.0, "idle", cell=5)
+    assert watchdog.check(10.0, {}) is None  # the clock starts now
+    verdict = watchdog.check(13.1, {})
+    assert verdict.kind == "hang" and verdict.release == [1] and verdict.blocking == [1]
+    assert verdict.lines == [
+        f"hang: rank 1 has been at {call} for 3.1 s",
+        "rank 0 is not running this cell, and a collective waits for every rank: run it "
+        "on all of them (`%%ranks`)"]
+    # a backward() alone on rank 1 (no DataParallel: nothing to join) is no hang
+    cluster.beat(1, 20.0, "running", "cell line 3: loss.backward()")
+    assert Watchdog(cluster, [1], 3.0, cell).check(100.0, {}) is None
+    # in one of mpilab's collectives, the hang timeout's verdict says the same
+    monkeypatch.setattr("time.time", lambda: 100.0)
+    cluster.beat(1, 100.0, "collective", cell=1, op="allreduce", op_age=3.2)
+    lines = Watchdog(cluster, [1], 3.0, cell).check(100.0, {}).lines
+    assert lines[0] == "hang: rank 1 was waiting in allreduce #7 for 3.2 s"
+    assert lines[-1].startswith("rank 0 is not running this cell")
