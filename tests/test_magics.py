@@ -67,17 +67,20 @@ def test_engines_that_fail_to_start_show_their_output_and_leave_nothing(fresh_ke
 
 def test_a_start_stopped_with_the_stop_button_says_so_in_one_line_and_leaves_nothing(
         fresh_kernel):
-    run = fresh_kernel.run("%mpilab start -n 2", timeout=120, interrupt_after=1.0)
-    assert not run.ok
-    assert run.text.strip() == ("UsageError: %mpilab start interrupted: no ranks are running "
-                                "(nothing was left behind)"), run.text
-    kernel = psutil.Process(fresh_kernel.km.provisioner.process.pid)
-    deadline = time.monotonic() + 10
-    while kernel.children(recursive=True) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert kernel.children(recursive=True) == []
-    again = fresh_kernel.run("%mpilab start -n 2", timeout=120)
-    assert again.ok, again.text
+    try:
+        run = fresh_kernel.run("%mpilab start -n 2", timeout=120, interrupt_after=1.0)
+        assert not run.ok
+        assert run.text.strip() == ("UsageError: %mpilab start interrupted: no ranks are "
+                                    "running (nothing was left behind)"), run.text
+        kernel = psutil.Process(fresh_kernel.km.provisioner.process.pid)
+        deadline = time.monotonic() + 10
+        while kernel.children(recursive=True) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert kernel.children(recursive=True) == []
+        again = fresh_kernel.run("%mpilab start -n 2", timeout=120)
+        assert again.ok, again.text
+    finally:
+        fresh_kernel.run("%mpilab stop", timeout=120)  # the kernel is shared: no ranks
 
 
 def test_ranks_that_fail_their_bootstrap_say_why_in_one_line_and_leave_nothing(fresh_kernel):
