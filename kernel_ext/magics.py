@@ -344,7 +344,10 @@ class MpilabMagics(Magics):
                              dashboard=not args.no_dashboard, quiet=args.quiet,
                              per_rank=args.by_rank,
                              hang_timeout=args.hang_timeout or self.session.hang_timeout)
-        self.session.run_cell(cell, options)
+        try:
+            self.session.run_cell(cell, options)
+        except ClusterError as e:  # a cell the ranks cannot take, said before it is sent
+            raise UsageError(str(e)) from None
 
 
 def overview() -> str:

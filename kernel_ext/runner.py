@@ -67,6 +67,8 @@ class CellRunner:
         """The cell's outcome (`--noblock`: None at once; its report comes later)."""
         options = options or RunOptions()
         self.cluster.check_usable()
+        if "await" in code and has_top_level_await(code):  # the test parses: most lack it
+            raise ClusterError(TOP_LEVEL_AWAIT)
         ranks = parse_ranks(options.spec, self.cluster.world_size)
         engines = self.cluster.engines(ranks)
         label = cell_label()
@@ -122,6 +124,29 @@ class CellRunner:
         for thread in self.background:
             thread.join(timeout)
         self.background = [t for t in self.background if t.is_alive()]
+
+
+TOP_LEVEL_AWAIT = (
+    "%%ranks cannot run a cell with a top-level await: ipyparallel's engines never answer "
+    "one (the cell would hang). Run the coroutine on a thread of its own: "
+    "concurrent.futures.ThreadPoolExecutor(1).submit(asyncio.run, main()).result()")
+
+
+def has_top_level_await(code: str) -> bool:
+    """The cell, as IPython reads it (magics and ! lines made Python), awaits outside any
+    function. A cell that does not compile is left to the ranks, which say why."""
+    import ast
+    import inspect
+
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    try:
+        source = TransformerManager().transform_cell(code)
+        compiled = compile(source, "<cell>", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT,
+                           dont_inherit=True)
+    except (SyntaxError, ValueError):
+        return False
+    return bool(compiled.co_flags & inspect.CO_COROUTINE)
 
 
 def report_text(outcome: CellOutcome, timeout: float | None) -> str:

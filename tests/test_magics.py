@@ -314,6 +314,8 @@ def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(ranks):
      "/nonexistent/run.json: cannot write it (No such file or directory)"),
     ("%mpilab trace --save /nonexistent/trace.json",
      "/nonexistent/trace.json: cannot write it (No such file or directory)"),
+    ("%%ranks\nimport asyncio\nawait asyncio.sleep(0)",
+     "%%ranks cannot run a cell with a top-level await: ipyparallel's engines never answer"),
 ])
 def test_bad_input_with_cluster(ranks, code, message):
     run = ranks.run(code)

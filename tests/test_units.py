@@ -641,3 +641,17 @@ def test_a_collective_on_some_ranks_while_the_others_sit_idle_is_named_a_hang(mo
     lines = Watchdog(cluster, [1], 3.0, cell).check(100.0, {}).lines
     assert lines[0] == "hang: rank 1 was waiting in allreduce #7 for 3.2 s"
     assert lines[-1].startswith("rank 0 is not running this cell")
+
+
+@pytest.mark.parametrize("code, awaits", [
+    ("import asyncio\nawait asyncio.sleep(0)", True),
+    ("%time x = 1\nawait f()", True),  # read as IPython reads it
+    ("async def f():\n    await g()", False),  # inside a function: runs as any cell
+    ("print('await')", False),
+    ("!echo await", False),
+    ("await", False),  # does not compile: the ranks say why
+])
+def test_a_cell_with_a_top_level_await_is_told_apart(code, awaits):
+    from mpilab.runner import has_top_level_await
+
+    assert has_top_level_await(code) is awaits
