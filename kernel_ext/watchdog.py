@@ -341,9 +341,8 @@ class Watchdog:
         done = sorted(r for r, how in finished.items() if how == "ok")
         on_line = {}
         for r, hb in waiting.items():
-            at_call = self._at_direct_call(hb)
-            if not ((done and at_call)
-                    or (idle and at_call and _COLLECTIVE_CALL.search(hb["where"]))):
+            if not (self._at_direct_call(hb)
+                    and (done or (idle and _COLLECTIVE_CALL.search(hb["where"])))):
                 self._on_line.clear()
                 return None
             where = hb["where"]
