@@ -16,8 +16,15 @@ from ipyparallel.error import TaskAborted
 
 from .cell_window import CellWindow
 from .cluster import RankCluster
-from .live import LiveViews
-from .relay import DEFAULT_OUTPUT_CAP, OutputRelay, StreamCursor, discard, strip_ansi
+from .live import LiveViews, TextInPlace
+from .relay import (
+    DEFAULT_OUTPUT_CAP,
+    LinesInProgress,
+    OutputRelay,
+    StreamCursor,
+    discard,
+    strip_ansi,
+)
 from .selection import rank_label
 from .watchdog import (
     DEFAULT_HANG_TIMEOUT_S,
@@ -39,6 +46,7 @@ OUTPUT_TRAIL_S = 5.0
 # death (the process gone, mpiexec's report) before it is asked to name it
 DEATH_SETTLE_S = 0.5
 STREAMS = ("stdout", "stderr")
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STOPPED_NOTE = "the ranks were stopped while this cell ran (`%mpilab stop` or restart)"
 
 
@@ -110,6 +118,9 @@ class RunningCell:
         self.relay = OutputRelay(ranks, discard if options.quiet else write,
                                  cap=options.output_cap)
         self.by_rank = _per_rank_view(ranks, options)
+        # each rank's unfinished line (a bar redrawn in place) in a block under the output
+        self._in_progress = None if options.quiet else LinesInProgress(len(ranks) == 1)
+        self._in_progress_view = TextInPlace()
         self._msg_ids = dict(zip(ranks, ar.msg_ids))
         self.views = LiveViews(cluster.store, cluster.world_size, options.dashboard,
                                self._msg_ids)
@@ -135,14 +146,19 @@ class RunningCell:
         `final`: the cell is over, every partial line goes out."""
         now = time.monotonic()
         quiet = self.options.quiet
+        unfinished: dict[tuple[int, str], tuple[int, str]] = {}
         for r, md in self._metadata.items():
             for stream in STREAMS:
-                new = self._cursors[(r, stream)].read(md[stream] or "", final)
+                text = md[stream] or ""
+                cursor = self._cursors[(r, stream)]
+                new = cursor.read(text, final)
                 if new:
                     clean = strip_ansi(new)
                     self.relay.feed(r, stream, clean, now)
                     if self.by_rank is not None:
                         self.by_rank.feed(r, clean)
+                if len(text) > cursor.done:
+                    unfinished[(r, stream)] = (cursor.lines, strip_ansi(cursor.unfinished(text)))
             outputs = md["outputs"]
             while self._outputs_shown[r] < len(outputs):
                 if not quiet:
@@ -150,6 +166,9 @@ class RunningCell:
                     _publish(outputs[self._outputs_shown[r]], r, len(self.ranks) > 1)
                 self._outputs_shown[r] += 1
         self.relay.flush(now, final=final)
+        if self._in_progress is not None:
+            written = self.relay.emitted_chars + sum(self._outputs_shown.values())
+            self._in_progress_view.show(self._in_progress.text(unfinished, now), written, now)
         self.views.tick()
         if self.by_rank is not None:
             self.by_rank.tick()
@@ -359,8 +378,13 @@ def display_bundle(data: dict, metadata: dict | None = None) -> None:
 
 
 def _publish(output: dict, rank: int, label: bool) -> None:
-    """Re-display a rank's display_data (plots, tables) in the notebook."""
-    data = dict(output.get("data", {}))
+    """Re-display a rank's display_data (plots, tables) in the notebook. A widget's view
+    is left out for its text: its model lives in the rank's process, which no frontend
+    reaches (JupyterLab would show "Error displaying widget: model not found")."""
+    data = {mime: value for mime, value in output.get("data", {}).items()
+            if mime != WIDGET_VIEW}
+    if not data:
+        return
     if label and "text/plain" in data:
         data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
     display_bundle(data, output.get("metadata"))

@@ -1,7 +1,8 @@
-"""What appears under a running `%%ranks` cell besides its text: the training dashboard
-and rank 0's progress bar. The runner calls `tick()` on every relay tick and `finish()`
-at the end; both are cheap when the cell logs nothing. Once shown, the dashboard
-redraws itself as records arrive (`Dashboard.follow`)."""
+"""What appears under a running `%%ranks` cell besides its text: the training dashboard,
+rank 0's progress bar, and the ranks' lines still being written. The runner calls
+`tick()` on every relay tick and `finish()` at the end; both are cheap when the cell
+logs nothing. Once shown, the dashboard redraws itself as records arrive
+(`Dashboard.follow`)."""
 
 from __future__ import annotations
 
@@ -85,6 +86,32 @@ class LiveViews:
             display(bundle, raw=True, display_id=self._progress_id)
         else:
             update_display(bundle, raw=True, display_id=self._progress_id)
+
+
+class TextInPlace:
+    """Plain text under the cell, redrawn in place at most PROGRESS_MIN_INTERVAL_S apart
+    (the ranks' lines in progress). Emptied, it is left empty; text after that starts a
+    new one under whatever was written meanwhile, so it follows the output, while one
+    that is showing stays where it is (each move would leave an empty output behind)."""
+
+    def __init__(self) -> None:
+        self._id: str | None = None
+        self._shown = ""
+        self._at = 0.0
+        self._written = -1  # the cell's output count when it was displayed
+
+    def show(self, text: str, written: int, now: float) -> None:
+        """`written`: how much the cell has output so far (any growing count)."""
+        showing = self._shown
+        if text == showing or (text and showing and now - self._at < PROGRESS_MIN_INTERVAL_S):
+            return
+        self._shown, self._at = text, now
+        bundle = {"text/plain": text} if text else {}
+        if self._id is not None and (showing or not text or self._written == written):
+            update_display(bundle, raw=True, display_id=self._id)
+        else:
+            self._id, self._written = uuid.uuid4().hex, written
+            display(bundle, raw=True, display_id=self._id)
 
 
 def progress_bundle(event: dict) -> dict:

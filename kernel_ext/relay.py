@@ -11,6 +11,9 @@ from .selection import rank_label
 
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together
+IN_PROGRESS_AFTER_S = 0.5  # an unfinished line this old is shown as it stands
+IN_PROGRESS_SHOWN = 8  # lines in progress shown; past this, how many more there are
+IN_PROGRESS_WIDTH = 240  # characters of each
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -78,6 +81,42 @@ class StreamCursor:
         self.lines += new.count("\n")
         self.done = end
         return "\n".join(overwritten(line) for line in new.split("\n")) if "\r" in new else new
+
+    def unfinished(self, text: str) -> str:
+        """The line still being written, as it stands: `text` as `read` last had it."""
+        return overwritten(text[self.done:]) if len(text) > self.done else ""
+
+
+class LinesInProgress:
+    """Each rank's unfinished line as it stands, for a block under the cell's output that
+    the notebook redraws in place. The merged output shows a line once it ends; a bar
+    redrawn with carriage returns (tqdm's text bar) ends when its loop does, so this is
+    where it is followed. A line is shown once it has been unfinished for `after`
+    seconds, so a line printed in pieces does not flash by."""
+
+    def __init__(self, single: bool, after: float = IN_PROGRESS_AFTER_S):
+        self.single = single  # one rank: no rank prefix, as in the merged output
+        self.after = after
+        self._since: dict[tuple[int, str], tuple[int, float]] = {}
+
+    def text(self, lines: dict[tuple[int, str], tuple[int, str]], now: float) -> str:
+        """The block for `lines`: (rank, stream) -> (the line's number in its stream,
+        the line as it stands); identical lines once, naming their ranks."""
+        since: dict[tuple[int, str], tuple[int, float]] = {}
+        ranks_of: dict[str, set[int]] = {}
+        for key, (number, line) in lines.items():
+            seen = self._since.get(key)
+            began = seen[1] if seen is not None and seen[0] == number else now
+            since[key] = (number, began)
+            if now - began >= self.after and line.strip():
+                ranks_of.setdefault(line[:IN_PROGRESS_WIDTH], set()).add(key[0])
+        self._since = since
+        rows = sorted((sorted(ranks), line) for line, ranks in ranks_of.items())
+        shown = [line if self.single else f"[{rank_label(ranks)}] {line}"
+                 for ranks, line in rows[:IN_PROGRESS_SHOWN]]
+        if len(rows) > IN_PROGRESS_SHOWN:
+            shown.append(f"… and {len(rows) - IN_PROGRESS_SHOWN} more lines in progress")
+        return "\n".join(shown)
 
 
 @dataclass

@@ -154,6 +154,39 @@ def test_a_line_redrawn_in_place_shows_its_last_state_on_each_rank(ranks):
     assert "[rank 0] after 0" in run.stdout and "[rank 1] after 1" in run.stdout
 
 
+def test_tqdm_auto_on_the_ranks_is_a_text_bar_followed_live_under_the_cell(ranks):
+    """`from tqdm.auto import tqdm`, as most training loops write it. In a kernel, tqdm
+    picks its notebook widget, which on a rank has no frontend: the notebook showed
+    `0/20` for ever. On the ranks it is the text bar; while it runs, each rank's bar is
+    redrawn in one block under the output, which is emptied when the bars end and their
+    last state is in the output."""
+    run = ranks.run("%%ranks\nfrom tqdm.auto import tqdm\nimport time\n"
+                    "for i in tqdm(range(20), desc='train'):\n    time.sleep(0.1)")
+    assert run.ok, run.text
+    blocks = [(d["transient"]["display_id"], d["data"].get("text/plain", ""))
+              for d in run.displays() if (d.get("transient") or {}).get("display_id")]
+    moving = [text for _, text in blocks if "train:" in text]
+    assert len(set(moving)) >= 2, blocks  # redrawn while it ran
+    assert len({block for block, _ in blocks}) == 1, blocks  # in one place
+    assert all("/20 [" in text and "20/20" not in text for text in moving), moving
+    assert all(("[rank 0]" in text and "[rank 1]" in text) or "[ranks 0-1]" in text
+               for text in moving), moving
+    assert blocks[-1][1] == "", blocks  # emptied at the end
+    lines = run.stderr.splitlines()
+    assert len(lines) in (1, 2) and all("train: 100%" in line and "20/20" in line
+                                        for line in lines), lines
+
+
+def test_a_widget_displayed_on_a_rank_shows_its_text(ranks):
+    """A widget's model lives in the rank's process, which no frontend reaches: the
+    notebook gets its text, not a view JupyterLab would answer with "model not found"."""
+    run = ranks.run("%%ranks 0\nimport ipywidgets\nfrom IPython.display import display\n"
+                    "display(ipywidgets.IntSlider(value=3))")
+    assert run.ok, run.text
+    shown = [d["data"] for d in run.displays()]
+    assert shown == [{"text/plain": "IntSlider(value=3)"}], shown
+
+
 def test_rank_selection(ranks):
     run = ranks.run("%%ranks 1\nprint('hi from', rank)")
     assert run.stdout == "hi from 1\n"

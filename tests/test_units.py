@@ -15,7 +15,13 @@ from mpilab.metrics_store import MetricsStore
 from mpilab.rank.agent import SEND_INTERVAL_S, log, next_send_time
 from mpilab.rank.bootstrap import BootstrapError, choose_backend, parse_gpus
 from mpilab.rank.progress import progress
-from mpilab.relay import OutputRelay, StreamCursor, overwritten
+from mpilab.relay import (
+    IN_PROGRESS_SHOWN,
+    LinesInProgress,
+    OutputRelay,
+    StreamCursor,
+    overwritten,
+)
 from mpilab.selection import format_ranks, parse_ranks
 from mpilab.session import _run_on_ranks
 from mpilab.watchdog import Watchdog
@@ -607,9 +613,63 @@ def test_stream_cursor_gives_every_line_once_however_the_stream_is_cut():
             at += step
             if rng.random() < 0.6:
                 read.append(cursor.read(text))
+                so_far = stream[:at]
+                assert cursor.lines == so_far.count("\n"), repr(stream)
+                assert cursor.unfinished(text) == overwritten(so_far.rsplit("\n", 1)[-1]), \
+                    repr(stream)
         read.append(cursor.read(text, final=True))
         assert "".join(read) == "\n".join(overwritten(line) for line in stream.split("\n")), \
             repr(stream)
+
+
+def test_lines_in_progress_show_once_they_stay_unfinished():
+    """A rank's unfinished line shows once it has stayed unfinished for `after` seconds
+    (a line printed in pieces does not flash by), as it stands, identical ones once;
+    a line that ended leaves the block, and the next line waits its own time."""
+    block = LinesInProgress(single=False, after=0.5)
+    bar = {(0, "stderr"): (3, "train 10%"), (1, "stderr"): (3, "train 10%")}
+    assert block.text(bar, now=0.0) == ""
+    assert block.text(bar, now=0.6) == "[ranks 0-1] train 10%"
+    bar[(1, "stderr")] = (3, "train 20%")  # the same line, redrawn: no new wait
+    assert block.text(bar, now=0.7) == "[rank 0] train 10%\n[rank 1] train 20%"
+    bar[(1, "stderr")] = (4, "eval 0%")  # rank 1 began a new line
+    assert block.text(bar, now=0.8) == "[rank 0] train 10%"
+    assert block.text(bar, now=1.4) == "[rank 0] train 10%\n[rank 1] eval 0%"
+    assert block.text({}, now=1.5) == ""
+    one = LinesInProgress(single=True, after=0.0)
+    assert one.text({(0, "stdout"): (0, "step 3")}, now=0.0) == "step 3"
+    many = {(r, "stderr"): (0, f"rank {r} at {r}%") for r in range(IN_PROGRESS_SHOWN + 5)}
+    shown = LinesInProgress(single=False, after=0.0).text(many, now=0.0).splitlines()
+    assert len(shown) == IN_PROGRESS_SHOWN + 1 and shown[0] == "[rank 0] rank 0 at 0%"
+    assert shown[-1] == "… and 5 more lines in progress"
+
+
+def test_text_in_place_is_redrawn_and_follows_the_output(monkeypatch):
+    """The block is one output redrawn in place while it shows; emptied and shown again
+    after more output, it is a new one under that output; redraws are rate-limited,
+    emptying is not."""
+    from mpilab import live
+
+    sent = []
+    monkeypatch.setattr(live, "display", lambda data, raw, display_id:
+                        sent.append(("new", display_id, data.get("text/plain"))))
+    monkeypatch.setattr(live, "update_display", lambda data, raw, display_id:
+                        sent.append(("update", display_id, data.get("text/plain"))))
+    view = live.TextInPlace()
+    view.show("", written=0, now=0.0)
+    assert sent == []
+    view.show("a 1", written=0, now=0.0)
+    view.show("a 2", written=5, now=0.1)  # too soon
+    view.show("a 3", written=5, now=0.3)  # output went under it: it stays
+    view.show("", written=9, now=0.31)
+    view.show("b 1", written=9, now=0.4)  # output came after it: a new one
+    view.show("", written=9, now=0.5)
+    view.show("c 1", written=9, now=0.6)  # nothing since: the same one
+    first, second = sent[0][1], sent[3][1]
+    assert sent == [("new", first, "a 1"), ("update", first, "a 3"), ("update", first, None),
+                    ("new", second, "b 1"), ("update", second, None),
+                    ("update", second, "c 1")]
+    assert first != second
 
 
 def test_a_collective_on_some_ranks_while_the_others_sit_idle_is_named_a_hang(monkeypatch):
