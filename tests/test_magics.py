@@ -187,6 +187,15 @@ def test_a_widget_displayed_on_a_rank_shows_its_text(ranks):
     assert shown == [{"text/plain": "IntSlider(value=3)"}], shown
 
 
+def test_a_warning_from_a_cell_line_names_the_cell_once_for_all_ranks(ranks):
+    """Warnings name the cell as tracebacks do; by the engine's temporary file, whose
+    name holds its pid, the same warning was shown once per rank."""
+    run = ranks.run("%%ranks\nimport warnings\nwarnings.warn('careful')")
+    assert run.ok, run.text
+    assert re.fullmatch(r"\[ranks 0-1\] Cell In\[\d+\], line 2: UserWarning: careful\n"
+                        r"\[ranks 0-1\]   warnings.warn\('careful'\)\n", run.stderr), run.stderr
+
+
 def test_rank_selection(ranks):
     run = ranks.run("%%ranks 1\nprint('hi from', rank)")
     assert run.stdout == "hi from 1\n"

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
 
@@ -130,6 +131,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     )
     shell.set_custom_exc((BaseException,), _clean_traceback)
     shell.showsyntaxerror = _syntax_error_shower(shell)
+    warnings.formatwarning = _cell_warnings(shell, warnings.formatwarning)
     install_shell(shell)  # `%run script.py` fails the cell when the script fails
     use_text_bars()  # tqdm.auto's bar as text, followed live under the cell
     agent = agent_mod.current()
@@ -222,6 +224,23 @@ def _syntax_error_shower(shell):
         shell._showtraceback(etype, value, stb)
 
     return showsyntaxerror
+
+
+def _cell_warnings(shell, format_warning):
+    """A warning raised by a cell's own line names the cell as its tracebacks do
+    (`Cell In[6], line 2: UserWarning: …`), not by the engine's temporary file, whose
+    name differs on every rank: the same warning showed once per rank instead of once,
+    naming the ranks."""
+
+    def formatwarning(message, category, filename, lineno, line=None):
+        text = format_warning(message, category, filename, lineno, line)
+        label = _frame_label(shell, filename)
+        where = f"{filename}:{lineno}:"
+        if label.startswith("Cell") and text.startswith(where):
+            text = f"{label}, line {lineno}:{text[len(where):]}"
+        return text
+
+    return formatwarning
 
 
 def _clean_traceback(shell, etype, value, tb, tb_offset=None):
