@@ -4,6 +4,7 @@ identical lines from several ranks shown once naming the ranks, capped per cell.
 from __future__ import annotations
 
 import re
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,13 +124,17 @@ class LinesInProgress:
 class _Pending:
     text: str
     arrived: float
+    piece: int  # lines that came from a rank in one piece share it
 
 
 class OutputRelay:
     """Turns per-rank output streams into prefixed lines, identical lines shown once.
 
     A line waits up to HOLD_S for the same line from the other selected ranks, so a
-    loop that prints on every rank shows one line per step naming the ranks.
+    loop that prints on every rank shows one line per step naming the ranks. A line
+    shown for one rank alone takes with it the lines that came with it in one piece
+    (the rows of a printed tensor, a model's repr), up to one that another rank has too,
+    so ranks' multi-line values are not interleaved row by row.
     """
 
     def __init__(self, ranks: list[int], write: Callable[[str, str], None],
@@ -141,7 +146,10 @@ class OutputRelay:
         self.emitted_chars = 0
         self.dropped_chars = 0
         self._partial: dict[tuple[int, str], str] = {}
-        self._queues: dict[tuple[int, str], list[_Pending]] = {}
+        self._queues: dict[tuple[int, str], deque[_Pending]] = {}
+        # stream -> how many ranks' queues hold each text, to tell a line shared
+        self._waiting: dict[str, Counter[str]] = {}
+        self._pieces = 0
         self.last_lines: dict[int, list[str]] = {r: [] for r in ranks}
 
     def feed(self, rank: int, stream: str, text: str, now: float) -> None:
@@ -151,25 +159,33 @@ class OutputRelay:
         buf = self._partial.get(key, "") + text
         *lines, rest = buf.split("\n")
         self._partial[key] = rest
-        queue = self._queues.setdefault(key, [])
+        self._queue(key, lines, now)
+
+    def _queue(self, key: tuple[int, str], lines: list[str], now: float) -> None:
+        if not lines:
+            return
+        self._pieces += 1
+        queue = self._queues.setdefault(key, deque())
+        waiting = self._waiting.setdefault(key[1], Counter())
+        tail = self.last_lines[key[0]]
         for line in lines:
-            queue.append(_Pending(line, now))
-            tail = self.last_lines[rank]
-            tail.append(line)
-            del tail[:-20]
+            queue.append(_Pending(line, now, self._pieces))
+            waiting[line] += 1
+        tail.extend(lines)
+        del tail[:-20]
 
     def flush(self, now: float, final: bool = False) -> None:
         if final:
             for key, rest in self._partial.items():
                 if rest:
-                    self._queues.setdefault(key, []).append(_Pending(rest, now))
-                    self.last_lines[key[0]].append(rest)
+                    self._queue(key, [rest], now)
             self._partial.clear()
         for stream in ("stdout", "stderr"):
             self._flush_stream(stream, now, final)
 
     def _flush_stream(self, stream: str, now: float, final: bool) -> None:
         out: list[str] = []
+        waiting = self._waiting.get(stream, Counter())
         while True:
             heads: dict[str, list[int]] = {}
             oldest: dict[str, float] = {}
@@ -186,11 +202,22 @@ class OutputRelay:
                 break
             for text, ranks in ready:
                 for r in ranks:
-                    self._queues[(r, stream)].pop(0)
+                    piece = self._take((r, stream), waiting).piece
                 prefix = "" if len(self.ranks) == 1 else f"[{rank_label(ranks)}] "
                 out.append(f"{prefix}{text}\n")
+                if len(ranks) == 1 and len(self.ranks) > 1:
+                    q = self._queues[(ranks[0], stream)]
+                    while q and q[0].piece == piece and waiting[q[0].text] == 1:
+                        out.append(f"{prefix}{self._take((ranks[0], stream), waiting).text}\n")
         if out:
             self._emit(stream, "".join(out))
+
+    def _take(self, key: tuple[int, str], waiting: Counter[str]) -> _Pending:
+        pending = self._queues[key].popleft()
+        waiting[pending.text] -= 1
+        if not waiting[pending.text]:
+            del waiting[pending.text]
+        return pending
 
     def _emit(self, stream: str, text: str) -> None:
         room = self.cap - self.emitted_chars

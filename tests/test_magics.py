@@ -196,6 +196,15 @@ def test_a_warning_from_a_cell_line_names_the_cell_once_for_all_ranks(ranks):
                         r"\[ranks 0-1\]   warnings.warn\('careful'\)\n", run.stderr), run.stderr
 
 
+def test_a_tensor_printed_on_each_rank_keeps_its_rows_together(ranks):
+    run = ranks.run("%%ranks\nimport torch\nprint(torch.full((3, 2), float(rank)))\n"
+                    "print('next')")
+    assert run.ok, run.text
+    rows = ["tensor([[{0}., {0}.],", "        [{0}., {0}.],", "        [{0}., {0}.]])"]
+    assert run.stdout == "".join(f"[rank {r}] {row.format(r)}\n" for r in (0, 1)
+                                 for row in rows) + "[ranks 0-1] next\n", run.stdout
+
+
 def test_rank_selection(ranks):
     run = ranks.run("%%ranks 1\nprint('hi from', rank)")
     assert run.stdout == "hi from 1\n"

@@ -72,6 +72,26 @@ def test_relay_groups_identical_lines_and_keeps_order():
     assert sink.text == "[ranks 0-1] a\n[rank 0] b\n[rank 1] c\n"
 
 
+def test_relay_keeps_a_ranks_multi_line_value_together():
+    """The rows of a value printed on each rank (a tensor) arrive in one piece: each
+    rank's rows stay together, where they were interleaved row by row; a line every rank
+    has is still shown once; lines that came in separate pieces keep their time order."""
+    sink = Sink()
+    relay = OutputRelay([0, 1], sink, hold=0.3)
+    relay.feed(0, "stdout", "t([[1,\n   2]])\nnext\n", 0.0)
+    relay.feed(1, "stdout", "t([[3,\n   4]])\nnext\n", 0.0)
+    relay.flush(0.5)
+    assert sink.text == ("[rank 0] t([[1,\n[rank 0]    2]])\n[rank 1] t([[3,\n[rank 1]    4]])\n"
+                         "[ranks 0-1] next\n")
+    sink.out.clear()
+    for t, step in ((0.6, 0), (0.7, 1)):
+        relay.feed(0, "stdout", f"step {step} loss a\n", t)
+        relay.feed(1, "stdout", f"step {step} loss b\n", t)
+    relay.flush(1.5)
+    assert sink.text == ("[rank 0] step 0 loss a\n[rank 1] step 0 loss b\n"
+                         "[rank 0] step 1 loss a\n[rank 1] step 1 loss b\n")
+
+
 def test_relay_partial_lines_and_final_flush():
     sink = Sink()
     relay = OutputRelay([0, 1], sink)
