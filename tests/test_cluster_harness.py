@@ -230,7 +230,15 @@ def test_kill_all_on_ends_what_runs_and_keeps_the_daemons(emulated_cluster):
     c = emulated_cluster
     subprocess.run(["ssh", "node2", "nohup sleep 300 >/dev/null 2>&1 &"], check=True,
                    timeout=30, env=head_env(c))
-    left = c.leftover_processes(["node2"], timeout=0)
+    # ssh returns once the remote shell has put it in the background: it may not yet be
+    # `sleep` (nohup execs it), and the session's sshd may be on its way out
+    deadline = time.monotonic() + 10
+    while True:
+        left = c.leftover_processes(["node2"], timeout=0)
+        if any(cmd == "sleep 300" for cmd in left.get("node2", {}).values()) or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     assert any(cmd == "sleep 300" for cmd in left.get("node2", {}).values()), left
     daemons = dict(c.node("node2").daemons)
     killed = c.kill_all_on("node2")

@@ -177,6 +177,21 @@ def test_tqdm_auto_on_the_ranks_is_a_text_bar_followed_live_under_the_cell(ranks
                                         for line in lines), lines
 
 
+def test_nested_tqdm_bars_on_the_ranks_leave_one_line_each(ranks):
+    """An epoch bar around a batch bar: a terminal reaches the inner bar with line breaks
+    and cursor-up codes, which a notebook's output cannot move back over, so every redraw
+    of the inner bar was a line of its own. On the ranks nested bars share one line: the
+    output gets what a terminal leaves, a line per finished bar that is left."""
+    run = ranks.run("%%ranks\nfrom tqdm.auto import tqdm\nimport time\n"
+                    "for e in tqdm(range(2), desc='epochs', mininterval=0):\n"
+                    "    for b in tqdm(range(5), desc='batches', leave=False, mininterval=0):\n"
+                    "        time.sleep(0.05)")
+    assert run.ok, run.text
+    lines = [line.split("] ", 1)[1] for line in run.stderr.splitlines()]
+    assert len(lines) in (1, 2) and all(line.startswith("epochs: 100%") for line in lines), \
+        run.stderr  # one line a rank, or one for both where they read the same
+
+
 def test_a_widget_displayed_on_a_rank_shows_its_text(ranks):
     """A widget's model lives in the rank's process, which no frontend reaches: the
     notebook gets its text, not a view JupyterLab would answer with "model not found"."""

@@ -65,7 +65,13 @@ class _TextBars(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """`tqdm.autonotebook`, and `tqdm.auto` built on it, on a rank: tqdm's text bar, as
     they give in a terminal. In any IPython kernel they choose tqdm's notebook widget,
     which on an engine has no frontend to update: the notebook would show the bar's first
-    state for ever (`[rank 0] 0%| | 0/20`)."""
+    state for ever (`[rank 0] 0%| | 0/20`).
+
+    Nested bars draw on one line: a terminal's bars below the first are reached with
+    line breaks and cursor-up codes, which a notebook's output does not move back over,
+    so every redraw of an inner bar would be a new line. On one line the newest redraw
+    shows (the inner bar while it runs), and a finished bar that is left (`leave=True`)
+    is a line of the output, as in a terminal."""
 
     def find_spec(self, fullname, path, target=None):
         return importlib.util.spec_from_loader(fullname, self) \
@@ -75,7 +81,16 @@ class _TextBars(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return None  # the default module
 
     def exec_module(self, module) -> None:
-        from tqdm.std import tqdm, trange
+        from tqdm.std import tqdm as text_bar
+
+        class tqdm(text_bar):  # noqa: N801 - tqdm's own name, which users import
+            __module__ = module.__name__
+
+            def moveto(self, n: int) -> None:
+                """No line breaks or cursor moves between nested bars: see _TextBars."""
+
+        def trange(*args, **kwargs):
+            return tqdm(range(*args), **kwargs)
 
         module.tqdm, module.trange, module.__all__ = tqdm, trange, ["tqdm", "trange"]
 
