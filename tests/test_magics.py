@@ -266,6 +266,30 @@ def test_same_error_on_all_ranks_shown_once(ranks):
     assert run.error_text.count("ZeroDivisionError") == 1
 
 
+def test_an_error_raised_from_another_shows_both_as_python_chains_them(ranks):
+    """`raise X from e`, an error while handling another, an exception group: what the
+    cause says (here: which file is missing) was dropped, only the last error shown."""
+    run = ranks.run("%%ranks\ndef load(path):\n    return open(path).read()\ntry:\n"
+                    "    load('/nonexistent/config.yaml')\nexcept OSError as e:\n"
+                    "    raise RuntimeError('no config') from e")
+    err = run.error_text
+    assert not run.ok
+    cause = err.index("FileNotFoundError: [Errno 2] No such file or directory: "
+                      "'/nonexistent/config.yaml'")
+    assert err.index("in load") < cause < err.index(
+        "The above exception was the direct cause of the following exception:") < \
+        err.index("RuntimeError: no config"), err
+    run = ranks.run("%%ranks\ntry:\n    1/0\nexcept ZeroDivisionError:\n    undefined_name")
+    assert run.error_text.index("ZeroDivisionError") < run.error_text.index(
+        "During handling of the above exception") < run.error_text.index("NameError"), \
+        run.error_text
+    run = ranks.run("%%ranks\nraise ExceptionGroup('two', [ValueError('a'), KeyError('b')])")
+    assert "ExceptionGroup: two (2 sub-exceptions)\n  -- 1 of 2 --\n    ValueError: a\n" \
+           "  -- 2 of 2 --\n    KeyError: 'b'" in run.error_text, run.error_text
+    for glue in ("ipyparallel", "mpilab", "kernel_ext"):
+        assert glue not in run.error_text
+
+
 def test_syntax_error_shown_once_as_the_cell(ranks):
     run = ranks.run("%%ranks\ndef f(:\n    pass")
     assert not run.ok

@@ -194,10 +194,33 @@ def _frame_label(shell, filename: str) -> str:
     return f'File "{filename}"'
 
 
+_CAUSE = "The above exception was the direct cause of the following exception:"
+_CONTEXT = "During handling of the above exception, another exception occurred:"
+
+
 def format_clean_traceback(shell, etype, value, tb) -> list[str]:
-    """The rank's own traceback: user frames (and library frames it called), no glue."""
+    """The rank's own traceback: user frames (and library frames it called), no glue;
+    the exceptions it was raised from or while handling, and an exception group's
+    members, as Python chains them."""
+    return ["\n".join(_exception_lines(shell, etype, value, tb, set()))]
+
+
+def _exception_lines(shell, etype, value, tb, seen: set[int]) -> list[str]:
+    seen.add(id(value))
     frames = [f for f in traceback.extract_tb(tb) if not _is_hidden(f.filename)]
-    lines = ["Traceback (most recent call last):"] if frames else []
+    lines: list[str] = []
+    cause = getattr(value, "__cause__", None)
+    context = None if cause is not None or getattr(value, "__suppress_context__", True) \
+        else value.__context__
+    earlier = cause if cause is not None else context
+    # one raised and handled inside mpilab's or the engine's glue alone is theirs
+    if earlier is not None and id(earlier) not in seen and (
+            earlier.__traceback__ is None or any(
+                not _is_hidden(f.filename) for f in traceback.extract_tb(earlier.__traceback__))):
+        lines += _exception_lines(shell, type(earlier), earlier, earlier.__traceback__, seen)
+        lines += ["", _CAUSE if cause is not None else _CONTEXT, ""]
+    if frames:
+        lines.append("Traceback (most recent call last):")
     for f in frames:
         lines.append(f"  {_frame_label(shell, f.filename)}, line {f.lineno}, in {f.name}")
         source = (f.line or linecache.getline(f.filename, f.lineno)).strip()
@@ -208,7 +231,13 @@ def format_clean_traceback(shell, etype, value, tb) -> list[str]:
         if cell_file:  # a syntax error names the file it is in, as the frames do
             line = line.replace(f'File "{cell_file}"', _frame_label(shell, cell_file))
         lines.append(line.rstrip("\n"))
-    return ["\n".join(lines)]
+    members = getattr(value, "exceptions", None)
+    if isinstance(members, tuple) and all(isinstance(m, BaseException) for m in members):
+        for i, member in enumerate(members, 1):  # an exception group's
+            lines.append(f"  -- {i} of {len(members)} --")
+            lines += [f"    {line}" if line else line for line in _exception_lines(
+                shell, type(member), member, member.__traceback__, seen)]
+    return lines
 
 
 def _syntax_error_shower(shell):
