@@ -171,6 +171,10 @@ class RunningCell:
             self._in_progress_view.show(self._in_progress.text(unfinished, now), written, now)
         self.views.tick()
         if self.by_rank is not None:
+            tails: dict[int, list[str]] = {}
+            for (r, _), (_, line) in unfinished.items():
+                tails.setdefault(r, []).append(line)
+            self.by_rank.set_unfinished({r: "\n".join(lines) for r, lines in tails.items()})
             self.by_rank.tick()
 
     # -- watch ----------------------------------------------------------------------------

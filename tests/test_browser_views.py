@@ -151,11 +151,13 @@ def per_rank_cell(flag: Path) -> str:
     """Four ranks print; they wait for `flag` (the test saw their output live), then
     rank 2 fails, in a `%%ranks --by-rank` cell."""
     return ("%%ranks --by-rank\n"
-            "import os, time\n"
+            "import os, sys, time\n"
             "print('step 0 on rank', rank, flush=True)\n"
-            "deadline = time.monotonic() + 90\n"
+            "deadline, waited = time.monotonic() + 90, 0\n"
             f"while not os.path.exists({str(flag)!r}) and time.monotonic() < deadline:\n"
             "    time.sleep(0.05)\n"
+            "    waited += 1\n"
+            "    sys.stderr.write(f'\\rwaited {waited}'); sys.stderr.flush()\n"
             "print('step 1 on rank', rank, flush=True)\n"
             "if rank == 2:\n"
             "    raise ValueError('boom on rank 2')\n")
@@ -190,6 +192,21 @@ def test_per_rank_view_with_four_ranks_live_and_a_failing_rank_marked(page, lab)
         arg=1, timeout=60_000)
     shown = cell(page, 1).locator(".mpilab-rank-output").inner_text()
     assert "rank 0" not in shown and "rank 3" not in shown, shown
+    # its line being redrawn in place (`\rwaited N`), as it stands: it moves, never piles up
+    waited = re.compile(r"step 0 on rank 1\nwaited (\d+)$")
+    page.wait_for_function(
+        """i => /waited [0-9]+$/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                 .querySelector('.mpilab-rank-output')?.textContent || '')""",
+        arg=1, timeout=30_000)
+    first = waited.search(cell(page, 1).locator(".mpilab-rank-output").inner_text().strip())
+    assert first, cell(page, 1).locator(".mpilab-rank-output").inner_text()
+    page.wait_for_function(
+        """([i, n]) => {
+             const m = /waited ([0-9]+)$/.exec(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]
+                 .querySelector('.mpilab-rank-output')?.textContent || '');
+             return m && Number(m[1]) > n; }""",
+        arg=[1, int(first.group(1))], timeout=30_000)
+    assert waited.search(cell(page, 1).locator(".mpilab-rank-output").inner_text().strip())
     assert "[*]" in cell(page, 1).locator(".jp-InputPrompt").inner_text()
     shot(page, "views_per_rank_live", 1)
     flag.touch()

@@ -492,6 +492,33 @@ def test_per_rank_output_collects_each_ranks_text_throttled_and_marks_failures()
     assert bundle["text/plain"] == "[per-rank output of ranks 0, 1, 2, 3; failed: 2]"
 
 
+def test_per_rank_output_shows_each_ranks_line_still_being_written():
+    """A bar redrawn in place on a rank: its line as it stands goes with the updates
+    (only when it changed), into the state, and away when it ends."""
+    from mpilab.widgets.rank_output import RankOutputs
+
+    clock = FakeClock()
+    outputs = RankOutputs([0, 1])
+    outputs.clock = clock
+    sent: list[dict] = []
+    outputs.view.send = lambda content, buffers=None: sent.append(content)
+    outputs.feed(0, "start\n")
+    outputs.set_unfinished({0: "train 10%", 1: ""})
+    assert outputs.tick() and sent[-1] == {"seq": 0, "append": {"0": "start\n"},
+                                           "tails": {"0": "train 10%"}}
+    assert outputs.view.tails == {"0": "train 10%"}
+    clock.now += 0.3
+    outputs.set_unfinished({0: "train 10%"})
+    assert not outputs.tick()  # nothing new
+    outputs.set_unfinished({0: "train 50%"})
+    assert outputs.tick() and sent[-1] == {"seq": 1, "append": {}, "tails": {"0": "train 50%"}}
+    outputs.feed(0, "train 100%\n")
+    outputs.set_unfinished({})
+    outputs.finish([])
+    assert sent[-1] == {"seq": 2, "append": {"0": "train 100%\n"}, "tails": {}}
+    assert outputs.view.tails == {} and outputs.view.texts["0"] == "start\ntrain 100%\n"
+
+
 def test_per_rank_output_of_256_ranks_sends_what_arrived_and_summarises_in_one_line():
     from mpilab.widgets.rank_output import RankOutputs
 

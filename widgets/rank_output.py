@@ -47,7 +47,7 @@ const known = (model) => {
   const key = model.get("key");
   let k = KNOWN.get(key);
   if (!k) {
-    k = { texts: {}, seq: -1, views: new Set() };
+    k = { texts: {}, tails: {}, seq: -1, views: new Set() };
     KNOWN.set(key, k);
   }
   return k;
@@ -59,6 +59,7 @@ export default {
     const fromState = () => {
       if (model.get("seq") < k.seq) return;
       k.texts = { ...model.get("texts") };
+      k.tails = { ...model.get("tails") };
       k.seq = model.get("seq");
       k.views.forEach((draw) => draw(null));
     };
@@ -70,7 +71,15 @@ export default {
         const all = (k.texts[r] || "") + text;
         k.texts[r] = all.length > MAX_CHARS ? all.slice(all.length - MAX_CHARS) : all;
       }
-      k.views.forEach((draw) => draw(msg.append || {}));
+      // each rank's line still being written (a bar redrawn in place), as it stands
+      const changed = { ...(msg.append || {}) };
+      if (msg.tails) {
+        for (const r of new Set([...Object.keys(k.tails), ...Object.keys(msg.tails)])) {
+          if (k.tails[r] !== msg.tails[r]) changed[r] = "";
+        }
+        k.tails = msg.tails;
+      }
+      k.views.forEach((draw) => draw(changed));
     };
     fromState();
     model.on("msg:custom", onUpdate);
@@ -157,7 +166,8 @@ export default {
       bar.replaceChildren(label, button("merged", null, false), ...rest);
       if (selected === null) { pre.style.display = "none"; return; }
       const atEnd = pre.scrollTop + pre.clientHeight >= pre.scrollHeight - 4;
-      pre.textContent = k.texts[String(selected)] || "(no output)";
+      const tail = k.tails[String(selected)] || "";
+      pre.textContent = (k.texts[String(selected)] || "") + tail || "(no output)";
       pre.style.display = "block";
       if (atEnd) pre.scrollTop = pre.scrollHeight;  // follows the output, unless read above
     };
@@ -190,6 +200,8 @@ class RankOutputView(anywidget.AnyWidget):
     key = traitlets.Unicode().tag(sync=True)  # the page's name for this widget's texts
     ranks = traitlets.List(traitlets.Int()).tag(sync=True)
     texts = traitlets.Dict().tag(sync=True)  # str(rank) -> that rank's output, as of `seq`
+    # str(rank) -> its line still being written, as it stands (as of `seq`)
+    tails = traitlets.Dict().tag(sync=True)
     seq = traitlets.Int(-1).tag(sync=True)  # the last update `texts` includes
     failed = traitlets.List(traitlets.Int()).tag(sync=True)
 
@@ -206,6 +218,8 @@ class RankOutputs:
         self._texts = {r: [] for r in self.ranks}
         self._chars = {r: 0 for r in self.ranks}
         self._new: dict[int, list[str]] = {}  # rank -> what arrived since the last send
+        self._tails: dict[str, str] = {}  # str(rank) -> its unfinished line, as it stands
+        self._tails_sent: dict[str, str] = {}
         self._failed: list[int] = []
         self._sent_at = -float("inf")
         self._snapshot_at = -float("inf")
@@ -226,26 +240,38 @@ class RankOutputs:
                 self._chars[rank] -= len(parts.pop(0))
             self._new.setdefault(rank, []).append(text)
 
+    def set_unfinished(self, lines: dict[int, str]) -> None:
+        """Each rank's line still being written, as it stands (rank -> line; a rank
+        left out has none): shown after its output until the line ends."""
+        with self._lock:
+            self._tails = {str(r): line for r, line in lines.items() if line}
+
     def tick(self, force: bool = False) -> bool:
         """Send what arrived if the last send is old enough; whether it sent."""
         now = self.clock()
-        if not self._new or (not force and now - self._sent_at < MIN_SEND_INTERVAL_S):
+        tails_changed = self._tails != self._tails_sent
+        if not (self._new or tails_changed) or (
+                not force and now - self._sent_at < MIN_SEND_INTERVAL_S):
             return False
         with self._lock:
             new, self._new = self._new, {}
+            tails = self._tails_sent = self._tails
             self._seq += 1
             seq = self._seq
             snapshot = force or now - self._snapshot_at >= SNAPSHOT_EVERY_S
             texts = ({str(r): "".join(parts)[-MAX_CHARS:] for r, parts in self._texts.items()}
                      if snapshot else None)
         self._sent_at = now
-        self.view.send({"seq": seq,
-                        "append": {str(r): "".join(parts)[-MAX_CHARS:]
-                                   for r, parts in new.items()}})
+        message = {"seq": seq, "append": {str(r): "".join(parts)[-MAX_CHARS:]
+                                          for r, parts in new.items()}}
+        if tails_changed:
+            message["tails"] = tails
+        self.view.send(message)
         if texts is not None:
             self._snapshot_at = now
             with self.view.hold_sync():
                 self.view.texts = texts
+                self.view.tails = tails
                 self.view.seq = seq
         self.sends += 1
         return True
@@ -258,6 +284,7 @@ class RankOutputs:
                 texts = {str(r): "".join(parts)[-MAX_CHARS:] for r, parts in self._texts.items()}
             with self.view.hold_sync():
                 self.view.texts = texts
+                self.view.tails = self._tails_sent
                 self.view.seq = self._seq
         self.view.failed = self._failed
 
