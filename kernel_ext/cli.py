@@ -6,6 +6,7 @@ import argparse
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -189,19 +190,19 @@ def cmd_run(args) -> int:
         client.execute()
     except CellExecutionError as e:
         status = 1
-        first = str(e).strip().splitlines()
-        print(f"mpilab: {source.name}: a cell failed: {first[-1] if first else e}",
+        error = _error_line(e.ename, e.evalue)
+        if e.ename == "UsageError" and not wants_mpilab and \
+                re.search(r"magic function `%%?(mpilab|ranks)` not found", e.evalue or ""):
+            error = (error.rstrip(".") + ": the notebook's kernel does not load mpilab; put "
+                     "`%load_ext mpilab` first, or use the Python (mpilab) kernel")
+        print(f"mpilab: {source.name}: a cell failed{_cell_named(nb, running)}: {error}",
               file=sys.stderr)
     except (CellTimeoutError, DeadKernelError) as e:  # the ranks go with the kernel
         status = 1
         what = (f"ran past --cell-timeout ({args.cell_timeout} s)"
                 if isinstance(e, CellTimeoutError) else "ended with its kernel's death")
-        where = ""
-        if running:
-            line = next(iter(nb.cells[running[0]].source.strip().splitlines()), "")
-            where = f" (cell {running[0] + 1}: {line[:60]})"
-        print(f"mpilab: {source.name}: a cell {what}{where}; the cells before it ran",
-              file=sys.stderr)
+        print(f"mpilab: {source.name}: a cell {what}{_cell_named(nb, running)}; the cells "
+              "before it ran", file=sys.stderr)
     out = Path(args.output) if args.output else None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,6 +219,24 @@ def cmd_run(args) -> int:
         print(f"mpilab: ran {source}" + (f" → {out}" if out else "")
               + (f", {args.html}" if args.html else ""))
     return status
+
+
+def _cell_named(nb, running: list[int]) -> str:
+    """' (cell 2: its first line)' for the cell that ran last, '' before any."""
+    if not running:
+        return ""
+    line = next(iter(nb.cells[running[0]].source.strip().splitlines()), "")
+    return f" (cell {running[0] + 1}: {line[:60]})"
+
+
+def _error_line(ename: str, evalue: str) -> str:
+    """A failed cell's error in one line: the last line of what the ranks raised (a
+    %%ranks cell's error holds their tracebacks), or the kernel's own error."""
+    from .runner import RanksError
+
+    lines = [line.strip() for line in (evalue or "").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if ename == RanksError.__name__ else f"{ename}: {last}" if last else ename
 
 
 def cmd_doctor(args) -> int:

@@ -164,6 +164,32 @@ def test_run_stops_at_a_cell_past_its_timeout_and_keeps_what_ran(tmp_path):
     assert not kept.cells[2].get("outputs")
 
 
+def test_run_names_the_failed_cell_and_its_error_in_one_line(tmp_path):
+    """nbclient's own message ended in its separator line (`------------------`) when
+    the error had no traceback, as a magic's usage error has; a notebook whose kernel
+    does not load mpilab is told how to."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print('first')"),
+                                         nbformat.v4.new_code_cell("%mpilab start -n 2")])
+    nbformat.write(nb, tmp_path / "plain.ipynb")
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "plain.ipynb")], capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 1
+    said = [line for line in proc.stderr.splitlines() if line.startswith("mpilab: ")]
+    assert said == ["mpilab: plain.ipynb: a cell failed (cell 2: %mpilab start -n 2): "
+                    "UsageError: Line magic function `%mpilab` not found: the notebook's "
+                    "kernel does not load mpilab; put `%load_ext mpilab` first, or use the "
+                    "Python (mpilab) kernel"], proc.stderr
+    nb.cells[1].source = "raise KeyError('no such column')"
+    nbformat.write(nb, tmp_path / "plain.ipynb")
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "plain.ipynb")], capture_output=True,
+                          text=True, timeout=90)
+    said = [line for line in proc.stderr.splitlines() if line.startswith("mpilab: ")]
+    assert said == ["mpilab: plain.ipynb: a cell failed (cell 2: raise KeyError('no such "
+                    "column')): KeyError: 'no such column'"], proc.stderr
+
+
 def test_mpilab_lab_serves_the_examples(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
