@@ -46,7 +46,6 @@ OUTPUT_TRAIL_S = 5.0
 # death (the process gone, mpiexec's report) before it is asked to name it
 DEATH_SETTLE_S = 0.5
 STREAMS = ("stdout", "stderr")
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 STOPPED_NOTE = "the ranks were stopped while this cell ran (`%mpilab stop` or restart)"
 
 
@@ -382,13 +381,9 @@ def display_bundle(data: dict, metadata: dict | None = None) -> None:
 
 
 def _publish(output: dict, rank: int, label: bool) -> None:
-    """Re-display a rank's display_data (plots, tables) in the notebook. A widget's view
-    is left out for its text: its model lives in the rank's process, which no frontend
-    reaches (JupyterLab would show "Error displaying widget: model not found")."""
-    data = {mime: value for mime, value in output.get("data", {}).items()
-            if mime != WIDGET_VIEW}
-    if not data:
-        return
+    """Re-display a rank's display_data (plots, tables, widgets: ipyparallel relays a
+    rank's widget messages to the notebook, so they stay live) in the notebook."""
+    data = dict(output.get("data", {}))
     if label and "text/plain" in data:
         data["text/plain"] = f"[rank {rank}] " + data["text/plain"]
     display_bundle(data, output.get("metadata"))

@@ -394,6 +394,9 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
         "%load_ext mpilab\n%mpilab start -n 2",
         TRAIN_CELL,
         "%mpilab bench allreduce --sizes 4K:1M",
+        "%%ranks 0\nimport ipywidgets\nfrom IPython.display import display\n"
+        "slider = ipywidgets.IntSlider(value=3)\ndisplay(slider)",
+        "%%ranks 0\nslider.value = 42",
         "%mpilab stop",
     ])
     open_notebook(page, lab, name)
@@ -427,5 +430,19 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
     assert bench[-2:] == [2, 2]  # the memcpy ceiling in both plots
     screenshot(page, "cluster_bench", 2, plot=0)
 
+    # a widget made on a rank is live in the notebook (ipyparallel relays its messages):
+    # the rank's later change shows
     run_cell(page, 3)
     wait_cell_done(page, 3, timeout_s=60)
+    readout = cell(page, 3).locator(".widget-readout")
+    readout.wait_for(timeout=30_000)
+    assert readout.inner_text().strip() == "3"
+    run_cell(page, 4)
+    wait_cell_done(page, 4, timeout_s=60)
+    page.wait_for_function(
+        "i => document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.widget-readout')?.textContent.trim() === '42'", arg=3,
+        timeout=30_000)
+
+    run_cell(page, 5)
+    wait_cell_done(page, 5, timeout_s=60)

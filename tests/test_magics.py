@@ -154,13 +154,12 @@ def test_a_line_redrawn_in_place_shows_its_last_state_on_each_rank(ranks):
     assert "[rank 0] after 0" in run.stdout and "[rank 1] after 1" in run.stdout
 
 
-def test_tqdm_auto_on_the_ranks_is_a_text_bar_followed_live_under_the_cell(ranks):
-    """`from tqdm.auto import tqdm`, as most training loops write it. In a kernel, tqdm
-    picks its notebook widget, which on a rank has no frontend: the notebook showed
-    `0/20` for ever. On the ranks it is the text bar; while it runs, each rank's bar is
-    redrawn in one block under the output, which is emptied when the bars end and their
-    last state is in the output."""
-    run = ranks.run("%%ranks\nfrom tqdm.auto import tqdm\nimport time\n"
+def test_a_text_progress_bar_on_the_ranks_is_followed_live_under_the_cell(ranks):
+    """tqdm's text bar (`from tqdm import tqdm`) redraws one line with carriage returns
+    and ends it when its loop ends, so the merged output showed nothing until then.
+    While it runs each rank's bar is redrawn in one block under the output, which is
+    emptied when the bars end and their last state is in the output."""
+    run = ranks.run("%%ranks\nfrom tqdm import tqdm\nimport time\n"
                     "for i in tqdm(range(20), desc='train'):\n    time.sleep(0.1)")
     assert run.ok, run.text
     blocks = [(d["transient"]["display_id"], d["data"].get("text/plain", ""))
@@ -175,31 +174,6 @@ def test_tqdm_auto_on_the_ranks_is_a_text_bar_followed_live_under_the_cell(ranks
     lines = run.stderr.splitlines()
     assert len(lines) in (1, 2) and all("train: 100%" in line and "20/20" in line
                                         for line in lines), lines
-
-
-def test_nested_tqdm_bars_on_the_ranks_leave_one_line_each(ranks):
-    """An epoch bar around a batch bar: a terminal reaches the inner bar with line breaks
-    and cursor-up codes, which a notebook's output cannot move back over, so every redraw
-    of the inner bar was a line of its own. On the ranks nested bars share one line: the
-    output gets what a terminal leaves, a line per finished bar that is left."""
-    run = ranks.run("%%ranks\nfrom tqdm.auto import tqdm\nimport time\n"
-                    "for e in tqdm(range(2), desc='epochs', mininterval=0):\n"
-                    "    for b in tqdm(range(5), desc='batches', leave=False, mininterval=0):\n"
-                    "        time.sleep(0.05)")
-    assert run.ok, run.text
-    lines = [line.split("] ", 1)[1] for line in run.stderr.splitlines()]
-    assert len(lines) in (1, 2) and all(line.startswith("epochs: 100%") for line in lines), \
-        run.stderr  # one line a rank, or one for both where they read the same
-
-
-def test_a_widget_displayed_on_a_rank_shows_its_text(ranks):
-    """A widget's model lives in the rank's process, which no frontend reaches: the
-    notebook gets its text, not a view JupyterLab would answer with "model not found"."""
-    run = ranks.run("%%ranks 0\nimport ipywidgets\nfrom IPython.display import display\n"
-                    "display(ipywidgets.IntSlider(value=3))")
-    assert run.ok, run.text
-    shown = [d["data"] for d in run.displays()]
-    assert shown == [{"text/plain": "IntSlider(value=3)"}], shown
 
 
 def test_a_warning_from_a_cell_line_names_the_cell_once_for_all_ranks(ranks):

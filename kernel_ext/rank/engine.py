@@ -112,7 +112,6 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     from . import agent as agent_mod
     from . import warmup
     from .bootstrap import init
-    from .progress import use_text_bars
     from .torchrun import install_shell
 
     ctx = init(gpus=gpus, backend=backend, agent_address=agent_address, timeout=timeout)
@@ -133,7 +132,6 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     shell.showsyntaxerror = _syntax_error_shower(shell)
     warnings.formatwarning = _cell_warnings(shell, warnings.formatwarning)
     install_shell(shell)  # `%run script.py` fails the cell when the script fails
-    use_text_bars()  # tqdm.auto's bar as text, followed live under the cell
     agent = agent_mod.current()
     state = agent.state
 
