@@ -19,14 +19,30 @@ MPILAB = str(Path(sys.executable).parent / "mpilab")
 def run_notebook(name: str, tmp_path: Path) -> nbformat.NotebookNode:
     out, html = tmp_path / name, tmp_path / (Path(name).stem + ".html")
     before = _snapshot(ROOT / "notebooks")
-    proc = subprocess.run([MPILAB, "run", str(ROOT / "notebooks" / name), "-o", str(out),
-                           "--html", str(html)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a cell that hangs is named by `mpilab run` (and what ran is saved) well before the
+    # test's own timeout; each example's cells take seconds
+    command = [MPILAB, "run", str(ROOT / "notebooks" / name), "-o", str(out),
+               "--html", str(html), "--cell-timeout", "120"]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=280)
+    except subprocess.TimeoutExpired as e:  # past its cells' timeouts: it did not end
+        pytest.fail(f"mpilab run did not end within 280 s:\n{e.stdout}\n{e.stderr}"
+                    + _outputs_of(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr + _outputs_of(out)
     assert html.stat().st_size > 0
     # running an example leaves the repository as it was: no outputs saved into it, no
     # file written beside it
     assert _snapshot(ROOT / "notebooks") == before
     return nbformat.read(out, as_version=4)
+
+
+def _outputs_of(path: Path) -> str:
+    """What each cell of a notebook `mpilab run` saved showed, for a failure's message."""
+    if not path.exists():
+        return "\n(no notebook saved)"
+    nb = nbformat.read(path, as_version=4)
+    return "".join(f"\n--- cell {i + 1}: {cell.source[:60]!r}\n{cell_text(cell)}"
+                   for i, cell in enumerate(nb.cells) if cell.cell_type == "code")
 
 
 def _snapshot(folder: Path) -> dict[str, bytes]:
