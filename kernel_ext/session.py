@@ -74,6 +74,7 @@ class Session:
         return self.runner.run(code, options)
 
     def push(self, values: dict) -> None:
+        self.cluster.check_usable()
         try:
             self.cluster.client[self.cluster.engines()].push(values, block=True)
         except Exception as e:  # noqa: BLE001 - what could not be sent, as one line
@@ -81,6 +82,7 @@ class Session:
 
     def pull(self, name: str, rank: int | None = None):
         """One rank's value (`--rank R`), else a list ordered by rank."""
+        self.cluster.check_usable()
         client = self.cluster.client
         ranks = list(range(self.cluster.world_size)) if rank is None else \
             parse_ranks(str(rank), self.cluster.world_size)

@@ -209,6 +209,12 @@ def test_dead_rank_reported_with_signal_and_last_lines_then_restart(nb):
     blocked = nb.run("%%ranks\n1")
     assert not blocked.ok and "`%mpilab restart`" in blocked.text
     assert len(blocked.text.strip().splitlines()) == 1
+    # pull and push say the same (ipyparallel's own line advised client.wait_for_engines)
+    for line in ("%mpilab pull x", "x = 1\n%mpilab push x"):
+        blocked = nb.run(line)
+        assert not blocked.ok and "rank 1 died" in blocked.text and \
+            "`%mpilab restart`" in blocked.text, blocked.text
+        assert len(blocked.text.strip().splitlines()) == 1, blocked.text
     restart = nb.run("%mpilab restart", timeout=180)
     assert restart.ok and "2 ranks" in restart.text
     assert nb.run("%%ranks\nimport os\nassert rank in (0, 1)").ok
