@@ -156,8 +156,9 @@ class RunningCell:
                     self.relay.feed(r, stream, clean, now)
                     if self.by_rank is not None:
                         self.by_rank.feed(r, clean)
-                if len(text) > cursor.done:
-                    unfinished[(r, stream)] = (cursor.lines, strip_ansi(cursor.unfinished(text)))
+                line = cursor.unfinished(text)
+                if line:
+                    unfinished[(r, stream)] = (cursor.lines, strip_ansi(line))
             outputs = md["outputs"]
             while self._outputs_shown[r] < len(outputs):
                 if not quiet:

@@ -236,7 +236,9 @@ def _error_line(ename: str, evalue: str) -> str:
 
     lines = [line.strip() for line in (evalue or "").splitlines() if line.strip()]
     last = lines[-1] if lines else ""
-    return last if ename == RanksError.__name__ else f"{ename}: {last}" if last else ename
+    if ename == RanksError.__name__:
+        return last
+    return f"{ename}: {last}" if last else ename
 
 
 def cmd_doctor(args) -> int:

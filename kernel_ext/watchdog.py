@@ -351,11 +351,7 @@ class Watchdog:
         self._on_line = on_line
         if any(now - since <= self.hang_timeout for _, since in on_line.values()):
             return None
-        if done:
-            peers = ("ranks " if len(done) > 1 else "rank ") + ", ".join(map(str, done))
-            why = f", and {peers} finished the cell without joining it"
-        else:
-            why = ""
+        why = f", and {rank_label(done)} finished the cell without joining it" if done else ""
         lines = [f"hang: rank {r} has been at {where} for {now - since:.1f} s{why}"
                  for r, (where, since) in sorted(on_line.items())]
         if idle:

@@ -203,20 +203,22 @@ def format_clean_traceback(shell, etype, value, tb) -> list[str]:
     return ["\n".join(_exception_lines(shell, etype, value, tb, set()))]
 
 
+def _user_frames(tb) -> list[traceback.FrameSummary]:
+    return [f for f in traceback.extract_tb(tb) if not _is_hidden(f.filename)]
+
+
 def _exception_lines(shell, etype, value, tb, seen: set[int]) -> list[str]:
     seen.add(id(value))
-    frames = [f for f in traceback.extract_tb(tb) if not _is_hidden(f.filename)]
+    frames = _user_frames(tb)
     lines: list[str] = []
-    cause = getattr(value, "__cause__", None)
-    context = None if cause is not None or getattr(value, "__suppress_context__", True) \
-        else value.__context__
-    earlier = cause if cause is not None else context
+    earlier = value.__cause__  # `from e`; else what it was raised while handling
+    if earlier is None and not value.__suppress_context__:
+        earlier = value.__context__
     # one raised and handled inside mpilab's or the engine's glue alone is theirs
     if earlier is not None and id(earlier) not in seen and (
-            earlier.__traceback__ is None or any(
-                not _is_hidden(f.filename) for f in traceback.extract_tb(earlier.__traceback__))):
+            earlier.__traceback__ is None or _user_frames(earlier.__traceback__)):
         lines += _exception_lines(shell, type(earlier), earlier, earlier.__traceback__, seen)
-        lines += ["", _CAUSE if cause is not None else _CONTEXT, ""]
+        lines += ["", _CAUSE if value.__cause__ is not None else _CONTEXT, ""]
     if frames:
         lines.append("Traceback (most recent call last):")
     for f in frames:
