@@ -47,6 +47,32 @@ OUTPUT_TRAIL_S = 5.0
 DEATH_SETTLE_S = 0.5
 STREAMS = ("stdout", "stderr")
 STOPPED_NOTE = "the ranks were stopped while this cell ran (`%mpilab stop` or restart)"
+# a cell (or pull, push) the ranks have not begun this long after it was sent waits behind
+# an earlier one there: the notebook says so until they begin it
+WAITING_NOTE_AFTER_S = 1.0
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """An earlier --noblock cell still running: later cells queue behind it there."""
+
+    label: str | None  # "In[n]" as the notebook shows it; None outside IPython
+    ranks: tuple[int, ...]
+
+
+def waiting_text(waiting: list[int], ahead: Sequence[Ahead]) -> str:
+    """Who holds up `waiting`, ranks that have not begun what was sent them: the earlier
+    --noblock cells still running there, by name, else an earlier cell."""
+    blocking = [a for a in ahead if set(a.ranks) & set(waiting)]
+    named = [a.label for a in blocking if a.label]
+    if not blocking:
+        earlier = "an earlier cell"
+    elif len(named) < len(blocking):
+        earlier = "an earlier --noblock cell" if len(blocking) == 1 else \
+            "earlier --noblock cells"
+    else:
+        earlier = f"the --noblock cell{'s' if len(named) > 1 else ''} {', '.join(named)}"
+    return f"{rank_label(waiting)} {'is' if len(waiting) == 1 else 'are'} still running {earlier}"
 
 
 @dataclass
@@ -99,8 +125,9 @@ class RunningCell:
     """A cell from the moment the ranks have it to its outcome."""
 
     def __init__(self, cluster: RankCluster, ar, ranks: list[int], options: RunOptions,
-                 write: Callable[[str, str], None]):
-        """ar: ipyparallel's AsyncResult of the cell on `ranks` (one engine each, in order)."""
+                 write: Callable[[str, str], None], ahead: Sequence[Ahead] = ()):
+        """ar: ipyparallel's AsyncResult of the cell on `ranks` (one engine each, in order);
+        ahead: the earlier --noblock cells still running when it was sent."""
         self.cluster = cluster
         self.ar = ar
         self.ranks = ranks
@@ -120,6 +147,9 @@ class RunningCell:
         # each rank's unfinished line (a bar redrawn in place) in a block under the output
         self._in_progress = None if options.quiet else LinesInProgress(len(ranks) == 1)
         self._in_progress_view = TextInPlace()
+        self._ahead = ahead
+        self._sent = time.monotonic()
+        self._all_begun = False
         self._msg_ids = dict(zip(ranks, ar.msg_ids))
         self.views = LiveViews(cluster.store, cluster.world_size, options.dashboard,
                                self._msg_ids)
@@ -168,7 +198,11 @@ class RunningCell:
         self.relay.flush(now, final=final)
         if self._in_progress is not None:
             written = self.relay.emitted_chars + sum(self._outputs_shown.values())
-            self._in_progress_view.show(self._in_progress.text(unfinished, now), written, now)
+            block = self._in_progress.text(unfinished, now)
+            waiting = "" if final else self._waiting_line(now)
+            if waiting:
+                block = f"{waiting}\n{block}" if block else waiting
+            self._in_progress_view.show(block, written, now)
         self.views.tick()
         if self.by_rank is not None:
             tails: dict[int, list[str]] = {}
@@ -176,6 +210,19 @@ class RunningCell:
                 tails.setdefault(r, []).append(line)
             self.by_rank.set_unfinished({r: "\n".join(lines) for r, lines in tails.items()})
             self.by_rank.tick()
+
+    def _waiting_line(self, now: float) -> str:
+        """While some ranks have not begun the cell WAITING_NOTE_AFTER_S after it was sent,
+        who they are still running; "" once every rank has begun (or ended) it."""
+        if self._all_begun or now - self._sent < WAITING_NOTE_AFTER_S:
+            return ""
+        begun = self.window.bounds(self.cluster.store)
+        waiting = [r for r in self.ranks if r not in begun and not self._singles[r].ready()]
+        if not waiting:
+            self._all_begun = True
+            return ""
+        return (f"{waiting_text(waiting, self._ahead)}: this cell waits its turn there "
+                "(the stop button takes it off their queue)")
 
     # -- watch ----------------------------------------------------------------------------
     def watch(self) -> None:
@@ -264,8 +311,8 @@ class RunningCell:
         outcome.dropped = [r for r in queued if r not in interrupted]
         if outcome.dropped:
             outcome.notes.append(
-                f"{rank_label(outcome.dropped)} had not begun the cell: an earlier --noblock "
-                "cell still runs there and goes on; this one was taken off their queue")
+                f"{waiting_text(outcome.dropped, self._ahead)}, not interrupted; this cell "
+                "had not begun there and was taken off their queue")
         if not interrupted or self.stopped or (done and self.cluster.recover()):
             return
         stuck = [r for r in interrupted if not singles[r].ready()]

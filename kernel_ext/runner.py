@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .cell import CellOutcome, RunningCell, RunOptions, display_bundle, is_interrupt
+from .cell import Ahead, CellOutcome, RunningCell, RunOptions, display_bundle, is_interrupt
 from .cell_window import CellWindow
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
@@ -62,6 +62,9 @@ class CellRunner:
         # newest last: `%mpilab dashboard` shows the newest one that has metrics, as most
         # cells (a print, a push) have none
         self.recent_runs: collections.deque[RecentRun] = collections.deque(maxlen=RECENT_RUNS)
+        # --noblock cells sent, their AsyncResults and the cluster generation they run on:
+        # later cells queue behind them
+        self._noblock: list[tuple[Ahead, object, int]] = []
 
     def run(self, code: str, options: RunOptions | None = None) -> CellOutcome | None:
         """The cell's outcome (`--noblock`: None at once; its report comes later)."""
@@ -80,8 +83,9 @@ class CellRunner:
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
             raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
                                "brings back a full cluster") from None
+        ahead = self.running_noblock()
         if options.block:
-            outcome = self._follow(ar, ranks, options, label)
+            outcome = self._follow(ar, ranks, options, label, ahead)
             self._report(outcome, options)
             return outcome
         # --noblock: follow on a thread that carries this cell's context, so its output
@@ -89,7 +93,7 @@ class CellRunner:
         context = contextvars.copy_context()
 
         def follow_in_background():
-            outcome = self._follow(ar, ranks, options, label)
+            outcome = self._follow(ar, ranks, options, label, ahead)
             try:
                 self._report(outcome, options)
             except RanksError as e:
@@ -97,15 +101,26 @@ class CellRunner:
 
         thread = threading.Thread(target=context.run, args=(follow_in_background,),
                                   name="mpilab-noblock", daemon=True)
+        self._noblock = [*self._noblock,
+                         (Ahead(shown_label(label), tuple(ranks)), ar, self.cluster.generation)]
         thread.start()
         self.background.append(thread)
         return None
 
+    def running_noblock(self) -> list[Ahead]:
+        """The --noblock cells sent that have not ended on every rank: what a cell, pull or
+        push sent now waits behind."""
+        generation = self.cluster.generation
+        running = [(a, ar, g) for a, ar, g in self._noblock
+                   if g == generation and not ar.ready()]
+        self._noblock = running
+        return [a for a, _, _ in running]
+
     def _follow(self, ar, ranks: list[int], options: RunOptions,
-                label: str | None) -> CellOutcome:
+                label: str | None, ahead: list[Ahead]) -> CellOutcome:
         """The cell from its start on the ranks to its outcome, remembered for
         `%mpilab dashboard`."""
-        cell = RunningCell(self.cluster, ar, ranks, options, self.write)
+        cell = RunningCell(self.cluster, ar, ranks, options, self.write, ahead)
         self.last_views = cell.views
         self.recent_runs.append(RecentRun(shown_label(label), cell.window))
         cell.watch()

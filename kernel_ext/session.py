@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from .cell import RunOptions
+from .cell import ABORT_SETTLE_S, WAITING_NOTE_AFTER_S, RunOptions, waiting_text
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport, engine_alive
 from .runner import CellRunner
 from .selection import parse_ranks, rank_label
@@ -75,8 +75,12 @@ class Session:
 
     def push(self, values: dict) -> None:
         self.cluster.check_usable()
+        ranks = list(range(self.cluster.world_size))
         try:
-            self.cluster.client[self.cluster.engines()].push(values, block=True)
+            ar = self.cluster.client[self.cluster.engines(ranks)].push(values, block=False)
+            self._answer(ar, ranks, "push", got="got the values")
+        except ClusterError:
+            raise
         except Exception as e:  # noqa: BLE001 - what could not be sent, as one line
             raise ClusterError(_push_failure(values, e)) from None
 
@@ -88,7 +92,9 @@ class Session:
             parse_ranks(str(rank), self.cluster.world_size)
         engines = self.cluster.engines(ranks)
         try:
-            values = client[engines].pull(name, block=True)
+            values = self._answer(client[engines].pull(name, block=False), ranks, "pull")
+        except ClusterError:
+            raise
         except Exception as e:  # noqa: BLE001 - the ranks' errors, as one line
             raise ClusterError(_pull_failure(name, dict(zip(engines, ranks)), e)) from None
         return values[0] if rank is not None else values
@@ -148,17 +154,60 @@ class Session:
     def _on_ranks(self, function, *args, ranks: list[int] | None = None) -> list:
         """`function(*args)` on the ranks (all, or `ranks`), their results in rank order;
         the stop button interrupts them, their errors become one line."""
-        engines = self.cluster.engines(ranks)
-        ar = self.cluster.client[engines].apply_async(function, *args)
+        ranks = list(range(self.cluster.world_size)) if ranks is None else ranks
+        ar = self.cluster.client[self.cluster.engines(ranks)].apply_async(function, *args)
         try:
-            return ar.get()
-        except KeyboardInterrupt:
-            self.cluster.client.send_signal("SIGINT", targets=engines, block=False)
+            return self._answer(ar, ranks, "bench", interrupt=True)
+        except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks' ValueError, as one line
             from .cluster import _remote_message
 
             raise ClusterError(f"bench: {_remote_message(e)}") from None
+
+    def _answer(self, ar, ranks: list[int], what: str, interrupt: bool = False,
+                got: str | None = None):
+        """The ranks' answers to a request sent them (`ar`: ipyparallel's AsyncResult on
+        `ranks`, one engine each). A request waits on a rank behind a --noblock cell
+        running there: after WAITING_NOTE_AFTER_S it says which. Ctrl-C takes it off the
+        queues of the ranks that have not begun it and (`interrupt`) interrupts it where it
+        runs, a running --noblock cell never; then one line, which names the ranks that
+        finished it (`got`: what they have, when that matters)."""
+        try:
+            if not ar.wait(WAITING_NOTE_AFTER_S):
+                ahead = self.runner.running_noblock()
+                busy = {r for a in ahead for r in a.ranks}
+                waiting = [r for r, single in zip(ranks, ar.split())
+                           if r in busy and not single.ready()]
+                if waiting:
+                    self.runner.write("stderr", f"mpilab: {waiting_text(waiting, ahead)}: "
+                                      f"{what} waits its turn there (interrupt the kernel "
+                                      "to stop waiting)\n")
+            return ar.get()
+        except KeyboardInterrupt:
+            done = self._withdraw(ar, ranks, interrupt)
+            told = ""
+            if got is not None:
+                told = (f": {rank_label(done)} {got}, the others not" if done else
+                        f": no rank {got}")
+            raise ClusterError(f"{what} interrupted{told}") from None
+
+    def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> list[int]:
+        """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`);
+        the ranks that finished it."""
+        client = self.cluster.client
+        busy = {r for a in self.runner.running_noblock() for r in a.ranks}
+        try:
+            client.abort(ar.msg_ids, targets=self.cluster.engines(ranks), block=False)
+            running = [r for r in ranks if r not in busy]
+            if interrupt and running:
+                client.send_signal("SIGINT", targets=self.cluster.engines(running),
+                                   block=False)
+        except Exception:  # noqa: BLE001 - a dead engine is told by the next command
+            pass
+        ar.wait(ABORT_SETTLE_S)
+        return [r for r, single in zip(ranks, ar.split())
+                if single.ready() and single.successful()]
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
         """`%mpilab bench`: a progress line while it measures (~15 s for the full range

@@ -50,14 +50,22 @@ class CellRun:
 
     @property
     def text(self) -> str:
-        """Everything a user reads: streams, plain-text displays, errors."""
+        """Everything a user reads once the cell is done: streams, plain-text displays as
+        last updated (one emptied shows nothing), errors."""
+        latest = {}  # display id -> its last data
+        for o in self.outputs:
+            display_id = o["content"].get("transient", {}).get("display_id")
+            if display_id and "data" in o["content"]:
+                latest[display_id] = o["content"]["data"]
         parts = []
         for o in self.outputs:
             c = o["content"]
             if o["type"] == "stream":
                 parts.append(c["text"])
             elif o["type"] in ("display_data", "execute_result"):
-                parts.append(c["data"].get("text/plain", "") + "\n")
+                data = latest.get(c.get("transient", {}).get("display_id"), c["data"])
+                if data:
+                    parts.append(data.get("text/plain", "") + "\n")
             elif o["type"] == "error":
                 parts.append("\n".join(c["traceback"]) + "\n")
         return "".join(parts)

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from ipyparallel.error import TaskAborted
 from mpilab import cell as cell_module
-from mpilab.cell import CellOutcome, RunningCell, RunOptions
+from mpilab.cell import Ahead, CellOutcome, RunningCell, RunOptions, waiting_text
 from mpilab.metrics_store import MetricsStore
 from mpilab.runner import report_text
 
@@ -132,9 +132,10 @@ class Sink:
         return "".join(t for _, t in self.out)
 
 
-def running(cluster: FakeCluster, ar: FakeCellResult, sink: Sink, **options) -> RunningCell:
+def running(cluster: FakeCluster, ar: FakeCellResult, sink: Sink, ahead=(),
+            **options) -> RunningCell:
     options.setdefault("dashboard", False)
-    return RunningCell(cluster, ar, [0, 1], RunOptions(**options), sink)
+    return RunningCell(cluster, ar, [0, 1], RunOptions(**options), sink, ahead)
 
 
 @pytest.fixture
@@ -223,7 +224,7 @@ def test_timeout_waits_while_the_cell_is_queued_behind_another(shown):
 
 def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(shown):
     cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
-    cell = running(cluster, ar, sink)
+    cell = running(cluster, ar, sink, ahead=[Ahead("In[4]", (0, 1))])
 
     def ctrl_c():
         raise KeyboardInterrupt
@@ -237,8 +238,39 @@ def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(sh
     assert cluster.aborted == ["msg-0", "msg-1"] and outcome.dropped == [0, 1]
     assert not outcome.not_run  # taken off the queue by mpilab, not dropped by the ranks
     assert report_text(outcome, None) == (
-        "mpilab: ranks 0-1 had not begun the cell: an earlier --noblock cell still runs "
-        "there and goes on; this one was taken off their queue")
+        "mpilab: ranks 0-1 are still running the --noblock cell In[4], not interrupted; this "
+        "cell had not begun there and was taken off their queue")
+
+
+def test_a_cell_the_ranks_have_not_begun_says_what_it_waits_behind(shown, monkeypatch):
+    """In the block under the output, once it has waited WAITING_NOTE_AFTER_S; the block
+    is emptied when the ranks begin it."""
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink, ahead=[Ahead("In[4]", (0, 1))])
+    blocks: list[str] = []
+    cell._in_progress_view.show = lambda text, written, now: blocks.append(text)
+    cell.pump()
+    assert blocks == [""]  # a cell may begin any moment: nothing said at once
+    monkeypatch.setattr(cell_module, "WAITING_NOTE_AFTER_S", 0.0)
+    cell.pump()
+    assert blocks[-1] == ("ranks 0-1 are still running the --noblock cell In[4]: this cell "
+                          "waits its turn there (the stop button takes it off their queue)")
+    cluster.begin(ar, time.time())
+    cell.pump()
+    assert blocks[-1] == ""
+
+
+def test_what_a_cell_or_request_waits_behind_is_named():
+    """Only the --noblock cells on the waiting ranks are named; one run outside IPython
+    has no name, and without a known one it is an earlier cell."""
+    ahead = [Ahead("In[3]", (0, 1)), Ahead("In[5]", (2,)), Ahead(None, (3,))]
+    assert waiting_text([1], ahead) == "rank 1 is still running the --noblock cell In[3]"
+    assert waiting_text([0, 1, 2], ahead) == \
+        "ranks 0-2 are still running the --noblock cells In[3], In[5]"
+    assert waiting_text([3], ahead) == "rank 3 is still running an earlier --noblock cell"
+    assert waiting_text([2, 3], ahead) == \
+        "ranks 2-3 are still running earlier --noblock cells"
+    assert waiting_text([4], ahead) == "rank 4 is still running an earlier cell"
 
 
 def test_a_rank_deaf_to_the_interrupt_restarts_the_cluster_and_is_unfinished(

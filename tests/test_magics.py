@@ -500,8 +500,10 @@ def test_stopping_a_queued_cell_drops_it_and_the_noblock_cell_goes_on(ranks):
     assert first.ok
     second = ranks.run("%%ranks\nprint('second ran')", interrupt_after=1.0)
     assert not second.ok
-    assert "ranks 0-1 had not begun the cell: an earlier --noblock cell still runs" in \
-        second.text, second.text
+    count = first.reply["execution_count"]
+    assert f"ranks 0-1 are still running the --noblock cell In[{count}], not interrupted; " \
+        "this cell had not begun there and was taken off their queue" in second.text, \
+        second.text
     assert "Traceback" not in second.text and "restarted" not in second.text
     messages = [m for m in ranks.collect_iopub(4.0)
                   if m["parent"] in (first.msg_id, second.msg_id)]
@@ -509,6 +511,45 @@ def test_stopping_a_queued_cell_drops_it_and_the_noblock_cell_goes_on(ranks):
     assert any("[ranks 0-1] first done" in t for t in texts), messages  # not interrupted
     assert not any("second ran" in t for t in texts + [second.text])
     assert ranks.run("%%ranks\nprint('next', rank)").ok
+
+
+def test_a_cell_waiting_behind_a_noblock_cell_says_so_until_the_ranks_begin_it(ranks):
+    first = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(3)\nprint('first done')")
+    second = ranks.run("%%ranks\nprint('second ran')")
+    assert second.ok and "[ranks 0-1] second ran" in second.stdout, second.text
+    count = first.reply["execution_count"]
+    shown = [o for o in second.outputs if o["type"] in ("display_data", "update_display_data")]
+    assert shown and shown[0]["content"]["data"]["text/plain"] == (
+        f"ranks 0-1 are still running the --noblock cell In[{count}]: this cell waits its "
+        "turn there (the stop button takes it off their queue)"), shown
+    assert 0.8 < shown[0]["t"] - second.started < 2.0
+    # emptied once the ranks begin it (JupyterLab draws nothing for it)
+    ids = {o["content"]["transient"]["display_id"] for o in shown}
+    assert len(ids) == 1 and shown[-1]["content"]["data"] == {}, shown
+
+
+def test_pull_push_behind_a_noblock_cell_say_so_and_ctrl_c_takes_them_back(ranks):
+    noblock = "%%ranks --noblock\nimport time\nx = 0\ntime.sleep(3)\nx = 7"
+    first = ranks.run(noblock)
+    pull = ranks.run("%mpilab pull x")
+    count = first.reply["execution_count"]
+    assert pull.ok and pull.stderr == (
+        f"mpilab: ranks 0-1 are still running the --noblock cell In[{count}]: pull waits its "
+        "turn there (interrupt the kernel to stop waiting)\n"), pull.text
+    assert pull.displays()[-1]["data"]["text/plain"] == "[7, 7]"
+    first = ranks.run(noblock + "\nprint('first done')")
+    assert ranks.run("late = 5").ok
+    push = ranks.run("%mpilab push late", interrupt_after=1.5)
+    assert not push.ok
+    assert push.text.strip().splitlines()[-1] == \
+        "UsageError: push interrupted: no rank got the values", push.text
+    assert "Traceback" not in push.text and "kernel_ext" not in push.text
+    messages = [m for m in ranks.collect_iopub(3.0) if m["parent"] == first.msg_id]
+    assert any("[ranks 0-1] first done" in m["content"].get("text", "")
+               for m in messages), messages  # the --noblock cell went on, not interrupted
+    # taken off the queue: the ranks never got it
+    pulled = ranks.run("%mpilab pull late")
+    assert not pulled.ok and "'late' is not defined on ranks 0-1" in pulled.text
 
 
 def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(ranks):
@@ -544,6 +585,16 @@ def test_bench_shows_table_and_plot(ranks):
     plots = [o for o in run.outputs if o["type"] == "display_data"
              and "application/vnd.plotly.v1+json" in o["content"]["data"]]
     assert plots
+
+
+def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
+    run = ranks.run("%mpilab bench allreduce --sizes 4K:64M --backends mpilab,mpi",
+                    timeout=120, interrupt_after=2.0)
+    assert not run.ok and run.finished - run.started < 10
+    assert run.text.strip().splitlines()[-1] == "UsageError: bench interrupted", run.text
+    assert "Traceback" not in run.text and "KeyboardInterrupt" not in run.text
+    after = ranks.run("%%ranks\nprint('next', rank)")
+    assert after.ok and "[rank 0] next 0" in after.stdout, after.text
 
 
 def test_stop_leaves_no_process(ranks):
