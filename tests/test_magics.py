@@ -264,6 +264,26 @@ def test_an_error_raised_from_another_shows_both_as_python_chains_them(ranks):
         assert glue not in run.error_text
 
 
+def test_sys_exit_in_a_cell_ends_it_as_it_ends_a_script(ranks):
+    """A script pasted into a cell ends with `sys.exit(main())`: status 0 is a success,
+    another status the rank's traceback naming the line, without IPython's advice for a
+    terminal; `exit()` ends the cell, and the ranks stay up."""
+    run = ranks.run("%%ranks\nimport sys\ndef main():\n    print('trained', rank)\n"
+                    "    return 0\nif __name__ == '__main__':\n    sys.exit(main())\n"
+                    "print('not here')")
+    assert run.ok and run.text == "[rank 0] trained 0\n[rank 1] trained 1\n", run.text
+    run = ranks.run("%%ranks 1\nimport sys\nsys.exit(3)")
+    assert not run.ok
+    assert re.search(r"Cell In\[\d+\], line 2, in <module>\n    sys.exit\(3\)\n"
+                     r"SystemExit: 3$", run.error_text), run.error_text
+    assert "%tb" not in run.text and "To exit" not in run.text, run.text
+    run = ranks.run("%%ranks\nexit()\nprint('not here')")
+    assert run.ok and run.text == ("[ranks 0-1] exit() ends the cell, not the ranks: they "
+                                   "stay up for the next one (`%mpilab stop` ends them)\n")
+    after = ranks.run("%%ranks\nprint('up', rank)")
+    assert after.ok and "[rank 1] up 1" in after.stdout, after.text
+
+
 def test_syntax_error_shown_once_as_the_cell(ranks):
     run = ranks.run("%%ranks\ndef f(:\n    pass")
     assert not run.ok

@@ -130,6 +130,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     )
     shell.set_custom_exc((BaseException,), _clean_traceback)
     shell.showsyntaxerror = _syntax_error_shower(shell)
+    _end_cells_as_scripts_end(shell)
     warnings.formatwarning = _cell_warnings(shell, warnings.formatwarning)
     install_shell(shell)  # `%run script.py` fails the cell when the script fails
     agent = agent_mod.current()
@@ -153,6 +154,8 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
 
     def post_run(result=None):
         state.phase = "idle"
+        if result is not None and _succeeded_exit(result.error_in_exec):
+            result.error_in_exec = None  # sys.exit(0) ended the cell as it ends a script
         # the notebook waits for this marker, so a cell's last records make its plots,
         # and `%mpilab status` right after shows the rank idle
         agent.beat()
@@ -253,6 +256,48 @@ def _syntax_error_shower(shell):
         shell._showtraceback(etype, value, stb)
 
     return showsyntaxerror
+
+
+def _succeeded_exit(error: BaseException | None) -> bool:
+    return isinstance(error, SystemExit) and error.code in (None, 0)
+
+
+def _end_cells_as_scripts_end(shell) -> None:
+    """`sys.exit()` in a cell (a script pasted in, `sys.exit(main())` at its end) ends the
+    cell as it ends a script: with status 0 or none, a success that shows nothing; else a
+    failure shown as the rank's traceback, which names the line. IPython showed
+    "An exception has occurred, use %tb to see the full traceback" (a `%tb` in the
+    notebook shows only that) and warned "To exit: use 'exit', 'quit', or Ctrl-D", advice
+    for a terminal. `exit()` ends the cell as `sys.exit()` does and says the ranks stay up
+    (ipykernel's would ask the engine to stop: one rank gone ends every rank's MPI job)."""
+    show = shell.showtraceback
+
+    def showtraceback(*args, **kwargs):
+        exc_tuple = args[0] if args else kwargs.get("exc_tuple")
+        etype, value, tb = exc_tuple or sys.exc_info()
+        if not isinstance(value, SystemExit):
+            return show(*args, **kwargs)
+        if not _succeeded_exit(value):
+            shell._showtraceback(etype, value, format_clean_traceback(shell, etype, value, tb))
+        return None
+
+    shell.showtraceback = showtraceback
+    warnings.filterwarnings("ignore", message="To exit: use 'exit', 'quit', or Ctrl-D")
+    from IPython.core.autocall import IPyAutocall
+
+    class EndsTheCell(IPyAutocall):
+        rewrite = False  # a bare `exit` is called without IPython echoing `------> exit()`
+
+        def __init__(self, ip, name: str):
+            super().__init__(ip)
+            self.name = name
+
+        def __call__(self, code=None):
+            print(f"{self.name}() ends the cell, not the ranks: they stay up for the next "
+                  "one (`%mpilab stop` ends them)", file=sys.stderr)
+            raise SystemExit(code)
+
+    shell.user_ns.update(exit=EndsTheCell(shell, "exit"), quit=EndsTheCell(shell, "quit"))
 
 
 def _cell_warnings(shell, format_warning):
