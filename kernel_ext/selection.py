@@ -21,13 +21,12 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
         lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise ValueError(f"rank range {part!r} is backwards: write {hi}-{lo}")
+        if hi >= world_size:  # checked before the range is made: `0-99999999999` is one line
+            first = max(lo, world_size)
+            missing = f"rank {hi} does" if first == hi else f"ranks {first}-{hi} do"
+            has = f"ranks 0-{world_size - 1}" if world_size > 1 else "rank 0 only"
+            raise ValueError(f"{missing} not exist: the cluster has {has}")
         ranks.update(range(lo, hi + 1))
-    bad = sorted(r for r in ranks if r >= world_size)
-    if bad:
-        raise ValueError(
-            f"rank {bad[0]} does not exist: the cluster has ranks 0-{world_size - 1}"
-            if world_size > 1 else f"rank {bad[0]} does not exist: the cluster has rank 0 only"
-        )
     return sorted(ranks)
 
 

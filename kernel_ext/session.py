@@ -134,10 +134,11 @@ class Session:
         next one anyway), so `progress(done, total, size)` can tell after each; then the
         node's single-core memory-copy bandwidth on rank 0, for the plot's ceiling.
         """
-        from .rank.bench import memcpy_bandwidth, run_bench
+        from .rank.bench import check_memory, memcpy_bandwidth, run_bench
 
         self.cluster.check_usable()
         sizes_list, backend_list = bench_arguments(sizes, backends)
+        self._on_ranks(check_memory, op, sizes_list)  # before the first size is measured
         rows: list[dict] = []
         notes: list[dict] = []  # a backend that cannot run says so once, not at each size
         for done, size in enumerate(sizes_list):
@@ -163,7 +164,8 @@ class Session:
         except Exception as e:  # noqa: BLE001 - the ranks' ValueError, as one line
             from .cluster import _remote_message
 
-            raise ClusterError(f"bench: {_remote_message(e)}") from None
+            said = _remote_message(e)  # a ValueError is the bench's own message to the user
+            raise ClusterError(f"bench: {said.removeprefix('ValueError: ')}") from None
 
     def _answer(self, ar, ranks: list[int], what: str, interrupt: bool = False,
                 got: str | None = None):
@@ -233,9 +235,13 @@ class Session:
                     "text/html": f"<div class='mpilab-progress'>{bar}{text}</div>"}
 
         display(progress_bundle(0, None), raw=True, display_id=shown)
-        rows, ceiling = self.bench(op, sizes, backends, progress=lambda done, _, size:
-                                   update_display(progress_bundle(done, size), raw=True,
-                                                  display_id=shown))
+        try:
+            rows, ceiling = self.bench(op, sizes, backends, progress=lambda done, _, size:
+                                       update_display(progress_bundle(done, size), raw=True,
+                                                      display_id=shown))
+        except BaseException:
+            update_display({}, raw=True, display_id=shown)  # the error line says it all
+            raise
         print(bench_table(rows, ceiling))
         display(figure_bundle(bench_figure(rows, ceiling, notes=False)), raw=True)
 

@@ -607,6 +607,16 @@ def test_bench_shows_table_and_plot(ranks):
     assert plots
 
 
+def test_a_bench_too_large_for_the_node_is_one_line_before_any_buffer(ranks):
+    """64G messages on a 24 GiB node: the kernel's OOM killer would pick processes."""
+    run = ranks.run("%mpilab bench allreduce --sizes 4K,64G")
+    assert not run.ok and run.finished - run.started < 5
+    assert re.fullmatch(r"UsageError: bench: 64G messages need about 384\.0 GiB on \S+ "
+                        r"\(2 ranks, 3 buffers each\), which has [\d.]+ GiB available: "
+                        r"use --sizes up to \d+[KMG]\n", run.text), run.text
+    assert ranks.run("%%ranks\nprint('next', rank)").ok
+
+
 def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     run = ranks.run("%mpilab bench allreduce --sizes 4K:64M --backends mpilab,mpi",
                     timeout=120, interrupt_after=2.0)

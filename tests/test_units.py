@@ -37,6 +37,9 @@ def test_parse_ranks(spec, ranks):
 
 @pytest.mark.parametrize("spec, message", [
     ("4", "rank 4 does not exist: the cluster has ranks 0-3"),
+    ("0-5", "ranks 4-5 do not exist: the cluster has ranks 0-3"),
+    # said at once, without making the range (it took the kernel's memory)
+    ("1,0-99999999999", "ranks 4-99999999999 do not exist: the cluster has ranks 0-3"),
     ("x", "malformed"), ("1-", "malformed"), ("-1", "malformed"), ("3-1", "backwards"),
 ])
 def test_parse_ranks_errors(spec, message):
@@ -735,3 +738,11 @@ def test_a_cell_with_a_top_level_await_is_told_apart(code, awaits):
     from mpilab.runner import has_top_level_await
 
     assert has_top_level_await(code) is awaits
+
+
+def test_sizes_are_written_as_bench_takes_them_and_memory_is_known():
+    from mpilab.rank.bench import available_memory, size_text
+
+    assert [size_text(n) for n in (512, 4096, 3 << 19, 64 << 20, 1 << 31)] == \
+        ["512B", "4K", "1.5M", "64M", "2G"]
+    assert 0 < available_memory() < 1 << 50  # Linux says, within any cgroup limit

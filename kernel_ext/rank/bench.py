@@ -97,6 +97,64 @@ def copy_bandwidth(size: int, repeats: int = 10) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
+# what one rank holds at once for a message, in messages: its buffers (two for an
+# allgather) and a backend's scratch copy (gloo's); or the memory-copy figure's two buffers
+BUFFERS_PER_RANK = 3
+
+
+def check_memory(op: str, sizes: list[int]) -> None:
+    """Before any buffer is made: every host has the memory its ranks need for the largest
+    message, else ValueError naming the host and the largest size that fits (a 16G
+    message on a 24 GiB node made the kernel's OOM killer end processes at random).
+    Collective: every rank raises the same error."""
+    ctx = context()
+    largest = max(effective_size(op, size, ctx.world_size) for size in sizes)
+    need = BUFFERS_PER_RANK * largest * ctx.local_size
+    available = available_memory()
+    short = [s for s in ctx.comm.allgather(
+        (ctx.host, available) if available is not None and need > available else None) if s]
+    if short:
+        host, available = short[0]
+        fits = available // (BUFFERS_PER_RANK * ctx.local_size)
+        hint = (f"use --sizes up to {size_text(1 << (fits.bit_length() - 1))}"
+                if fits >= 4 else "free memory on it first")
+        raise ValueError(
+            f"{size_text(largest)} messages need about {need / 2**30:.1f} GiB on {host} "
+            f"({ctx.local_size} ranks, {BUFFERS_PER_RANK} buffers each), which has "
+            f"{available / 2**30:.1f} GiB available: {hint}")
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the host's available memory, within its
+    cgroup's limit where it has one (a Slurm job's); None where Linux does not say."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        with open("/proc/self/cgroup") as cgroup:
+            path = next(line.split("::", 1)[1].strip() for line in cgroup
+                        if line.startswith("0::"))
+        base = f"/sys/fs/cgroup{path}"
+        with open(f"{base}/memory.max") as limit, open(f"{base}/memory.current") as used:
+            text = limit.read().strip()
+            if text != "max":
+                available = min(available, int(text) - int(used.read()))
+    except (OSError, StopIteration, ValueError):
+        pass
+    return available
+
+
+def size_text(nbytes: int) -> str:
+    """4096 → '4K', as --sizes takes them (binary units)."""
+    for unit, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if nbytes >= factor:
+            return f"{nbytes / factor:g}{unit}"
+    return f"{nbytes}B"
+
+
 def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20) -> list[dict]:
     """Measure `op` at every size with every backend; collective on all ranks.
 
@@ -110,6 +168,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     if op not in BENCH_COLLECTIVES:
         raise ValueError(f"bench op {op!r} is not one of {', '.join(BENCH_COLLECTIVES)}")
     check_backends(backends)
+    check_memory(op, sizes)
     ctx = context()
     comm, n = ctx.comm, ctx.world_size
     rows: list[dict] = []
