@@ -302,7 +302,7 @@ def cmd_doctor(args) -> int:
 
 def cmd_bench(args) -> int:
     """Run a collective benchmark on N fresh ranks under mpiexec and print the table."""
-    from .cluster import ClusterError, find_mpiexec
+    from .cluster import ClusterError, check_memory_here, find_mpiexec
 
     try:
         mpiexec = find_mpiexec(args.mpiexec)
@@ -312,6 +312,10 @@ def cmd_bench(args) -> int:
 
     if args.n < 1:
         return _fail(f"-n must be a positive number of ranks, got {args.n}")
+    try:
+        check_memory_here(args.n)
+    except ClusterError as e:
+        return _fail(str(e))
     try:
         parse_sizes(args.sizes)
         parse_backends(args.backends)

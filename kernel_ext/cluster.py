@@ -103,6 +103,25 @@ def find_mpiexec(explicit: str | None = None) -> str:
     )
 
 
+# what one rank takes on its host before any cell runs: its engine ~60 MB, its supervisor
+# and ipyparallel's nanny ~35 MB (private memory, measured with torch imported)
+RANK_BYTES = 100 << 20
+
+
+def check_memory_here(n: int, elsewhere: str = "") -> None:
+    """Ranks that cannot fit in this host's memory are refused before a process is made
+    (-n 1000 for -n 100 would end in the kernel's OOM killer, which picks any process).
+    `elsewhere`: how to place them on other hosts instead, for the message."""
+    from .rank.memory import available_memory
+
+    available = available_memory()
+    if available is not None and n * RANK_BYTES > available:
+        raise ClusterError(
+            f"-n {n}: {n} ranks on this host take about {n * RANK_BYTES / 2**30:.1f} GiB "
+            f"before any cell runs, and it has {available / 2**30:.1f} GiB available: start "
+            f"at most {available // RANK_BYTES} here{elsewhere}")
+
+
 @dataclass
 class StartReport:
     ranks: list[dict]
@@ -168,6 +187,9 @@ class RankCluster:
                     f"the Slurm allocation {os.environ['SLURM_JOB_ID']} holds {held} tasks, "
                     f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
         where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
+        if not where.remote and not placement.in_allocation():  # every rank on this host
+            check_memory_here(cfg.n, ", or place them on several hosts (--hostfile, "
+                                     "--launcher slurm)")
         started = time.perf_counter()
         saved = self.store.latest_event("checkpoint", rank=0) if self.store else None
         self.store = MetricsStore(world_size=cfg.n)

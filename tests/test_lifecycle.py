@@ -105,6 +105,7 @@ def test_doctor_reports_what_it_found():
     (["run", "nope.ipynb"], "nope.ipynb: no such notebook"),
     (["bench", "allreduce", "-n", "0"], "-n must be a positive number of ranks, got 0"),
     (["bench", "allreduce", "--backends", "foo"], "bench backend 'foo' is not one of"),
+    (["bench", "allreduce", "-n", "100000"], "100000 ranks on this host take about"),
     (["lab", "--port", "9999"], "9999: no such notebook (options for jupyter lab take their "
                                 "value after '=', as in --port=9999)"),
     (["lab", "--dir", "/proc/mpilab-nowhere"], "/proc/mpilab-nowhere: No such file or directory"),

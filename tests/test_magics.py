@@ -36,6 +36,9 @@ from conftest import cluster_pids
     ("%mpilab start --collective-timeout 0", "--collective-timeout must be positive, got 0.0"),
     ("%mpilab start --partition gpu", "--partition is a Slurm setting: add --launcher slurm"),
     ("%mpilab start --hostfile /nonexistent/hosts", "--hostfile /nonexistent/hosts: no such file"),
+    # before any process is made: the OOM killer would pick the processes to end
+    ("%mpilab start -n 100000", "-n 100000: 100000 ranks on this host take about 9765.6 GiB "
+                                "before any cell runs, and it has "),
 ])
 def test_bad_input_before_start_is_one_line(fresh_kernel, code, message):
     run = fresh_kernel.run(code)

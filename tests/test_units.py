@@ -741,7 +741,8 @@ def test_a_cell_with_a_top_level_await_is_told_apart(code, awaits):
 
 
 def test_sizes_are_written_as_bench_takes_them_and_memory_is_known():
-    from mpilab.rank.bench import available_memory, size_text
+    from mpilab.rank.bench import size_text
+    from mpilab.rank.memory import available_memory
 
     assert [size_text(n) for n in (512, 4096, 3 << 19, 64 << 20, 1 << 31)] == \
         ["512B", "4K", "1.5M", "64M", "2G"]

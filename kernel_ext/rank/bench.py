@@ -34,6 +34,7 @@ import numpy as np
 
 from ..wire import BENCH_COLLECTIVES, check_backends
 from .context import context
+from .memory import available_memory
 from .waiting import wait_interruptibly
 
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
@@ -122,29 +123,6 @@ def check_memory(op: str, sizes: list[int]) -> None:
             f"{size_text(largest)} messages need about {need / 2**30:.1f} GiB on {host} "
             f"({ctx.local_size} ranks, {BUFFERS_PER_RANK} buffers each), which has "
             f"{available / 2**30:.1f} GiB available: {hint}")
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: the host's available memory, within its
-    cgroup's limit where it has one (a Slurm job's); None where Linux does not say."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        available = int(fields["MemAvailable"].split()[0]) * 1024
-    except (OSError, KeyError, ValueError):
-        return None
-    try:
-        with open("/proc/self/cgroup") as cgroup:
-            path = next(line.split("::", 1)[1].strip() for line in cgroup
-                        if line.startswith("0::"))
-        base = f"/sys/fs/cgroup{path}"
-        with open(f"{base}/memory.max") as limit, open(f"{base}/memory.current") as used:
-            text = limit.read().strip()
-            if text != "max":
-                available = min(available, int(text) - int(used.read()))
-    except (OSError, StopIteration, ValueError):
-        pass
-    return available
 
 
 def size_text(nbytes: int) -> str:
