@@ -98,15 +98,15 @@ def copy_bandwidth(size: int, repeats: int = 10) -> float:
     return src.nbytes / statistics.median(times) / 1e9
 
 
-# what one rank holds at once for a message, in messages: its buffers (two for an
-# allgather) and a backend's scratch copy (gloo's); or the memory-copy figure's two buffers
+# how many message-sized buffers one rank holds at once: its own (two for an allgather)
+# and a backend's scratch copy (gloo's); or the memory-copy figure's two
 BUFFERS_PER_RANK = 3
 
 
 def check_memory(op: str, sizes: list[int]) -> None:
     """Before any buffer is made: every host has the memory its ranks need for the largest
-    message, else ValueError naming the host and the largest size that fits (a 16G
-    message on a 24 GiB node made the kernel's OOM killer end processes at random).
+    message, else ValueError naming the host and a size that fits (a 64G message on a
+    24 GiB node would leave it to the kernel's OOM killer, which ends any process).
     Collective: every rank raises the same error."""
     ctx = context()
     largest = max(effective_size(op, size, ctx.world_size) for size in sizes)
