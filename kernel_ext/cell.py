@@ -17,6 +17,7 @@ from ipyparallel.error import TaskAborted
 from .cell_window import CellWindow
 from .cluster import RankCluster
 from .live import LiveViews, TextInPlace
+from .rank_input import CellQuestions
 from .relay import (
     DEFAULT_OUTPUT_CAP,
     LinesInProgress,
@@ -34,6 +35,7 @@ from .watchdog import (
     describe,
     last_checkpoint,
 )
+from .wire import INPUT_MARKER
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 INTERRUPT_GRACE_S = 3.0
@@ -47,6 +49,8 @@ OUTPUT_TRAIL_S = 5.0
 DEATH_SETTLE_S = 0.5
 STREAMS = ("stdout", "stderr")
 STOPPED_NOTE = "the ranks were stopped while this cell ran (`%mpilab stop` or restart)"
+NOBLOCK_NO_INPUT = ("a --noblock cell takes no input: input() and debuggers on the ranks "
+                    "are answered in a cell that waits for them")
 # a cell (or pull, push) the ranks have not begun this long after it was sent waits behind
 # an earlier one there: the notebook says so until they begin it
 WAITING_NOTE_AFTER_S = 1.0
@@ -121,6 +125,12 @@ def is_interrupt(traceback: str) -> bool:
     return traceback.rstrip().splitlines()[-1].startswith("KeyboardInterrupt")
 
 
+def is_debugger_quit(traceback: str) -> bool:
+    """A rank's traceback that ends in BdbQuit: the user quit a debugger there (or the
+    cell was stopped at its prompt, which quits it)."""
+    return traceback.rstrip().splitlines()[-1].startswith(("BdbQuit", "bdb.BdbQuit"))
+
+
 class RunningCell:
     """A cell from the moment the ranks have it to its outcome."""
 
@@ -157,6 +167,8 @@ class RunningCell:
         self.watchdog = Watchdog(cluster, ranks, options.hang_timeout, self.views.cell)
         self._deadline: float | None = None  # monotonic; set once the ranks begin the cell
         self._generation = cluster.generation  # the ranks this cell runs on (RankCluster)
+        self.questions = CellQuestions(cluster.input_desk, len(ranks), write,
+                                       refuse="" if options.block else NOBLOCK_NO_INPUT)
 
     @property
     def stopped(self) -> bool:
@@ -191,9 +203,13 @@ class RunningCell:
                     unfinished[(r, stream)] = (cursor.lines, strip_ansi(line))
             outputs = md["outputs"]
             while self._outputs_shown[r] < len(outputs):
-                if not quiet:
+                output = outputs[self._outputs_shown[r]]
+                marker = output.get("data", {}).get(INPUT_MARKER)
+                if marker is not None:  # the rank asks for input (mpilab.rank.stdin)
+                    self.questions.add(r, marker)
+                elif not quiet:
                     self.relay.flush(now, final=True)  # text printed before it goes first
-                    _publish(outputs[self._outputs_shown[r]], r, len(self.ranks) > 1)
+                    _publish(output, r, len(self.ranks) > 1)
                 self._outputs_shown[r] += 1
         self.relay.flush(now, final=final)
         if self._in_progress is not None:
@@ -234,6 +250,7 @@ class RunningCell:
                     self.outcome.notes.append(STOPPED_NOTE)
                     return
                 self.pump()
+                self._ask_the_user()
                 verdict = self.watchdog.check(time.time(), _finished(self._singles))
                 if verdict is not None:
                     self._contain(verdict)
@@ -245,6 +262,19 @@ class RunningCell:
         except KeyboardInterrupt:
             self.outcome.interrupted = True
             self._release(self.ranks)
+
+    def _ask_the_user(self) -> None:
+        """Put the ranks' questions to the user once every rank still running has asked,
+        or the first has waited a moment (`CellQuestions.due`), after the lines they
+        printed before asking. From the first question on, the watchdog calls no hang:
+        the ranks wait for the user (a debugger's prompt), whose answer may take minutes."""
+        if not self.questions.asked:
+            return
+        self.watchdog.user_driven = True
+        running = [r for r in self.ranks if not self._singles[r].ready()]
+        if self.questions.due(running):
+            self.relay.flush(time.monotonic(), final=True)
+            self.questions.ask()
 
     def _past_deadline(self) -> bool:
         """--timeout counts from when the ranks begin the cell: it may have waited behind
@@ -342,6 +372,7 @@ class RunningCell:
             # output travels on iopub and can trail the execute reply
             ar.wait_for_output(OUTPUT_TRAIL_S)
         self.pump(final=True)
+        self.questions.close("the cell ended before the notebook asked")
         engines_died = not stopped and _engines_died(self._singles)
         self.views.finish(self.ranks if ar.ready() and not outcome.dead and not engines_died
                           and not stopped else None)

@@ -21,6 +21,7 @@ from pathlib import Path
 from . import lifeline, placement
 from .metrics_store import MetricsStore
 from .placement import ClusterError
+from .rank_input import InputDesk
 from .receiver import RecordReceiver
 from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports, gpu_spec
 
@@ -153,6 +154,7 @@ class RankCluster:
     _ipp_cluster: object = None
     _client: object = None
     _receiver: RecordReceiver | None = None
+    input_desk: InputDesk | None = None  # where the ranks' input() asks the notebook
     _lifeline: lifeline.Lifeline | None = None
     _local: dict | None = None  # local_processes(), made once per start
 
@@ -196,6 +198,7 @@ class RankCluster:
         if saved is not None:  # a later restart still names it: the file outlives the ranks
             self.store.add(saved)
         self._receiver = RecordReceiver(self.store, ip=where.listen_ip)
+        self.input_desk = InputDesk(ip=where.listen_ip)
         self._lifeline = lifeline.Lifeline(where.listen_ip)
         try:
             self._start_engines(mpiexec, where, into_allocation)
@@ -355,7 +358,7 @@ class RankCluster:
         cfg = self.config
         view = self._client[:]
         ar = view.apply_async(bootstrap, cfg.gpus, cfg.backend, self._receiver.address,
-                              cfg.timeout)
+                              cfg.timeout, self.input_desk.address)
         if not ar.wait(cfg.timeout):
             raise ClusterError(
                 f"the ranks did not finish their bootstrap within {cfg.timeout:.0f} s"
@@ -380,8 +383,9 @@ class RankCluster:
         """
         self.generation += 1
         client, cluster, receiver = self._client, self._ipp_cluster, self._receiver
-        held = self._lifeline
+        held, desk = self._lifeline, self.input_desk
         self._client = self._ipp_cluster = self._receiver = self._lifeline = None
+        self.input_desk = None
         self.ranks, self.engine_of_rank, self.dead, self._local = [], {}, {}, None
         launched = _launched_processes(cluster) if cluster is not None else []
         jobs = _slurm_jobs(cluster) if cluster is not None else []
@@ -401,6 +405,8 @@ class RankCluster:
                 pass
         if receiver is not None:
             receiver.close()
+        if desk is not None:
+            desk.close()
 
     def restart(self) -> StartReport:
         self.stop()

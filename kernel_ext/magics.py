@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import sys
 import textwrap
 import threading
 
@@ -366,9 +367,31 @@ def overview() -> str:
 MpilabMagics.mpilab.__doc__ = overview()
 
 
+def _debug_magic(session: Session, ipython_debug):
+    """`%debug` that, right after a cell failed on the ranks, debugs that failure on its
+    rank rather than mpilab's frames in the notebook; IPython's otherwise."""
+
+    def debug(line: str = ""):
+        if not line.strip():
+            try:
+                if session.post_mortem(getattr(sys, "last_value", None)):
+                    return None
+            except ClusterError as e:
+                raise UsageError(str(e)) from None
+        return ipython_debug(line)
+
+    debug.__doc__ = ipython_debug.__doc__
+    return debug
+
+
 def load(ipython) -> None:
     session = Session.instance()
     ipython.register_magics(MpilabMagics(ipython, session))
+    ipython_debug = ipython.find_line_magic("debug")
+    if ipython_debug is not None and not getattr(ipython_debug, "_mpilab", False):
+        debug = _debug_magic(session, ipython_debug)
+        debug._mpilab = ipython_debug  # the original, given back on unload
+        ipython.register_magic_function(debug, "line", "debug")
     atexit.register(session.shutdown)
     # plotly's widget module takes seconds to import: do it now, off the main thread,
     # so the first dashboard does not stall a training cell's output
@@ -379,6 +402,9 @@ def load(ipython) -> None:
 
 def unload(ipython) -> None:
     session = Session.instance()
+    debug = ipython.find_line_magic("debug")
+    if getattr(debug, "_mpilab", None) is not None:
+        ipython.register_magic_function(debug._mpilab, "line", "debug")
     session.set_auto(ipython, False)
     session.shutdown()
 

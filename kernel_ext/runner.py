@@ -13,25 +13,37 @@ import contextvars
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from .cell import Ahead, CellOutcome, RunningCell, RunOptions, display_bundle, is_interrupt
+from .cell import (
+    Ahead,
+    CellOutcome,
+    RunningCell,
+    RunOptions,
+    display_bundle,
+    is_debugger_quit,
+    is_interrupt,
+)
 from .cell_window import CellWindow
 from .cluster import ClusterError, RankCluster
 from .live import LiveViews
 from .selection import parse_ranks, rank_label
+from .wire import CELL_LABEL, CELL_LABEL_PREFIX
 
 RECENT_RUNS = 64  # cells remembered for `%mpilab dashboard` (the newest with metrics)
-CELL_LABEL = "mpilab:In[{}]"  # the execute request's label: the notebook's count
 
 
 class RanksError(Exception):
-    """A cell failed on the ranks. Rendered as the ranks' tracebacks, without our frames."""
+    """A cell failed on the ranks. Rendered as the ranks' tracebacks, without our frames.
+    failed: the ranks whose code raised (`%debug` next runs the debugger on the first),
+    of the cluster's `generation` then."""
 
-    def __init__(self, text: str):
+    def __init__(self, text: str, failed: Sequence[int] = (), generation: int = 0):
         super().__init__(text)
         self.text = text
+        self.failed = list(failed)
+        self.generation = generation
 
     def _render_traceback_(self) -> list[str]:
         return [self.text]
@@ -79,7 +91,7 @@ class CellRunner:
             # the notebook's In[n] travels with the cell, so that the ranks' tracebacks
             # say "Cell In[n]" with the number the notebook shows (mpilab.rank.engine)
             ar = self.cluster.client[engines].execute(code, silent=False, block=False,
-                                                      label=label)
+                                                      label=label or CELL_LABEL_PREFIX)
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
             raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
                                "brings back a full cluster") from None
@@ -133,7 +145,8 @@ class CellRunner:
             data["text/plain"] = f"Out[{rank_label(ranks)}]: " + data.get("text/plain", "")
             display_bundle(data)
         if not outcome.ok:
-            raise RanksError(report_text(outcome, options.timeout))
+            raise RanksError(report_text(outcome, options.timeout), failed_ranks(outcome),
+                             self.cluster.generation)
 
     def wait_background(self, timeout: float | None = None) -> None:
         for thread in self.background:
@@ -164,6 +177,19 @@ def has_top_level_await(code: str) -> bool:
     return bool(compiled.co_flags & inspect.CO_COROUTINE)
 
 
+def _raised(outcome: CellOutcome) -> dict[int, str]:
+    """The ranks' errors that mpilab did not cause (by releasing or dropping them)."""
+    return {r: e for r, e in outcome.errors.items()
+            if r not in outcome.released and r not in outcome.dropped}
+
+
+def failed_ranks(outcome: CellOutcome) -> list[int]:
+    """The ranks whose code raised (an interrupt is not a failure)."""
+    return sorted(r for r, e in _raised(outcome).items()
+                  if not is_interrupt(e) and not is_debugger_quit(e)
+                  and "CollectiveAborted" not in e.splitlines()[-1])
+
+
 def report_text(outcome: CellOutcome, timeout: float | None) -> str:
     """What went wrong, for the notebook: each failure's traceback once with its ranks,
     one line per interrupted rank, then mpilab's notes."""
@@ -177,12 +203,14 @@ def report_text(outcome: CellOutcome, timeout: float | None) -> str:
                      "before it there failed, and the ranks drop the cells queued behind "
                      "a failed one; run it again")
     # released and dropped ranks ended because mpilab ended them: the notes say why
-    errors = {r: e for r, e in outcome.errors.items()
-              if r not in outcome.released and r not in outcome.dropped}
+    errors = _raised(outcome)
     for ranks in _group(errors):
         text = errors[ranks[0]]
-        if is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1]:
+        if is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1] or \
+                (outcome.interrupted and is_debugger_quit(text)):
             lines.extend(f"[rank {r}] interrupted" for r in ranks)
+        elif is_debugger_quit(text):
+            lines.append(f"[{rank_label(ranks)}] quit the debugger: the cell stopped there")
         else:
             lines.append(f"[{rank_label(ranks)}] failed:" if multi else "")
             lines.append(text)
@@ -205,7 +233,7 @@ def cell_label() -> str | None:
 
 def shown_label(label: str | None) -> str | None:
     """'In[n]' from the execute request's label, as the notebook shows the cell."""
-    return label.removeprefix(CELL_LABEL.split(":")[0] + ":") if label else None
+    return label.removeprefix(CELL_LABEL_PREFIX) if label else None
 
 
 _CELL_COUNT = re.compile(r"Cell In\[\d+\]")

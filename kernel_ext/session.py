@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .cell import ABORT_SETTLE_S, WAITING_NOTE_AFTER_S, RunOptions, waiting_text
 from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport, engine_alive
-from .runner import CellRunner
+from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 from .wire import parse_backends, parse_sizes
@@ -72,6 +72,22 @@ class Session:
     # -- cells and data ------------------------------------------------------------------
     def run_cell(self, code: str, options: RunOptions):
         return self.runner.run(code, options)
+
+    def post_mortem(self, error: BaseException | None) -> bool:
+        """`%debug` after a cell failed on the ranks: the debugger on the first rank whose
+        code raised, there (its prompts are asked in the notebook). False when `error`,
+        the notebook's last, is not such a failure: `%debug` is then IPython's own."""
+        if not isinstance(error, RanksError) or not error.failed:
+            return False
+        if error.generation != self.cluster.generation or not self.cluster.running:
+            raise ClusterError("the ranks that failed have been stopped or restarted since: "
+                               "their error is gone; run the cell again, then `%debug`")
+        rank = error.failed[0]
+        others = f" (it failed on {rank_label(error.failed)}: `%%ranks N` with `%debug` " \
+                 "in the cell debugs rank N)" if len(error.failed) > 1 else ""
+        print(f"mpilab: the debugger on rank {rank}, where the cell failed{others}")
+        self.run_cell("%debug", RunOptions(spec=str(rank), dashboard=False))
+        return True
 
     def push(self, values: dict) -> None:
         self.cluster.check_usable()

@@ -193,6 +193,9 @@ class Watchdog:
                        if rank in self._ranks}
         self._remote = [r for r in ranks if r not in self._procs and r in self._info]
         self._outside = [r for r in range(cluster.world_size) if r not in self._ranks]
+        # a rank of this cell has asked the user for input (a debugger's prompt): ranks
+        # that wait for it wait for the user, and no wait is called a hang
+        self.user_driven = False
 
     def _compares(self, hb: dict) -> bool:
         """A heartbeat whose collectives are compared: a rank of this cell's, sent
@@ -281,6 +284,8 @@ class Watchdog:
                          for r, hb in waiting.items()]
                 return Verdict("peer-failed", lines, release=running,
                                blocking=self._blocking(waiting))
+            return None
+        if self.user_driven:
             return None
         # a heartbeat of an earlier cell (this one's first has not come yet) may still
         # show the collective a released rank was in

@@ -14,6 +14,7 @@ agent imports it; msgpack is imported only where a message is made or read.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import re
 import socket
@@ -199,6 +200,46 @@ def decode(raw: bytes) -> list:
             type(record) is dict for record in payload):
         return payload
     return [None]
+
+
+# -- a cell's execute request: its label ---------------------------------------------------
+# mpilab's cells carry this label (in the request's metadata): the ranks read the
+# notebook's In[n] from it, for their tracebacks, and know the cell is mpilab's (whose
+# input() the notebook answers); a cell sent from plain Python carries the bare prefix
+CELL_LABEL_PREFIX = "mpilab:"
+CELL_LABEL = CELL_LABEL_PREFIX + "In[{}]"  # the notebook's count
+
+
+# -- input() on a rank: the question, its marker among the rank's outputs, the answer ------
+# The question travels on its own socket (a rank's DEALER to the notebook's ROUTER, where
+# the notebook listens for records); the marker, a display among the cell's outputs,
+# says where it falls among what the rank printed (pdb's lines come before its prompt).
+INPUT_MARKER = "application/vnd.mpilab.input+json"  # {"id": question id}
+MAX_INPUT_BYTES = 1 << 20  # a question's or an answer's (a prompt, a line the user typed)
+
+
+def input_route(rank: int) -> bytes:
+    """Rank `rank`'s name on the notebook's input socket (its socket's identity)."""
+    return f"rank-{rank}".encode()
+
+
+def input_question(qid: int, prompt: str, password: bool) -> bytes:
+    """A rank's question: what its input() (or getpass()) was called with."""
+    return json.dumps({"id": qid, "prompt": prompt, "password": password}).encode()
+
+
+def input_answer(qid: int, text: str | None, refused: str = "") -> bytes:
+    """The notebook's answer: the line the user typed, or why there is none (`refused`:
+    the rank's input() raises EOFError, as at the end of a script's standard input)."""
+    return json.dumps({"id": qid, "text": text, "refused": refused}).encode()
+
+
+def read_input(raw: bytes) -> dict:
+    """A question or an answer as a dict; ValueError when it is neither."""
+    message = json.loads(raw)
+    if not isinstance(message, dict) or not isinstance(message.get("id"), int):
+        raise ValueError("not a question or an answer")
+    return message
 
 
 # -- the ranks' environment -----------------------------------------------------------------

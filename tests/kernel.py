@@ -20,6 +20,7 @@ class CellRun:
     started: float = 0.0
     finished: float = 0.0
     msg_id: str = ""
+    prompts: list[str] = field(default_factory=list)  # the input requests' prompts, in turn
 
     @property
     def stdout(self) -> str:
@@ -80,8 +81,14 @@ class Kernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
         self._backlog: list[dict] = []
 
-    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None) -> CellRun:
+    def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None,
+            answers: list[str] | None = None, answer_after: float = 0.0) -> CellRun:
+        """answers: the lines to type, in turn, when the cell asks for input, each
+        `answer_after` seconds after the request (each prompt is kept in run.prompts);
+        none left, the input request stays unanswered."""
         run = CellRun(started=time.time())
+        answers = list(answers or [])
+        answer_at = None
         msg_id = self.kc.execute(code)
         run.msg_id = msg_id
         deadline = time.monotonic() + timeout
@@ -93,6 +100,17 @@ class Kernel:
                 interrupt_at = None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}\n{run.text}")
+            try:
+                request = self.kc.get_stdin_msg(timeout=0.01)
+            except queue.Empty:
+                pass
+            else:
+                run.prompts.append(request["content"]["prompt"])
+                if answers:
+                    answer_at = time.monotonic() + answer_after
+            if answer_at is not None and time.monotonic() >= answer_at:
+                self.kc.input(answers.pop(0))
+                answer_at = None
             try:
                 msg = self.kc.get_iopub_msg(timeout=0.1)
             except queue.Empty:

@@ -389,6 +389,22 @@ print("trained", step + 1, "steps")
 """
 
 
+def answer_input(page, index: int, text: str) -> str:
+    """Type `text` into the input box under cell `index` once it shows; its prompt."""
+    # JupyterLab hides an answered box for a moment before it removes it
+    asking = cell(page, index).locator(
+        ".jp-OutputArea-stdin-item:not(.jp-OutputArea-stdin-hiding)")
+    asking.wait_for(timeout=60_000)
+    prompt = asking.locator(".jp-Stdin-prompt").inner_text().strip()
+    box = asking.locator(".jp-Stdin-input").element_handle()
+    box.fill(text)
+    box.press("Enter")
+    page.wait_for_function("box => !box.isConnected || "
+                           "box.closest('.jp-OutputArea-stdin-hiding') !== null",
+                           arg=box, timeout=30_000)
+    return prompt
+
+
 def test_training_dashboard_and_bench_on_two_ranks(page, lab):
     name = lab.write_notebook("cluster.ipynb", [
         "%load_ext mpilab\n%mpilab start -n 2",
@@ -397,6 +413,9 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
         "%%ranks 0\nimport ipywidgets\nfrom IPython.display import display\n"
         "slider = ipywidgets.IntSlider(value=3)\ndisplay(slider)",
         "%%ranks 0\nslider.value = 42",
+        "%%ranks\nimport pdb\nx = rank * 10\npdb.set_trace()\nprint('after', x)",
+        "%%ranks\ndef f(z):\n    return 1 / z\nf(rank - 1)",
+        "%debug",
         "%mpilab stop",
     ])
     open_notebook(page, lab, name)
@@ -444,5 +463,29 @@ def test_training_dashboard_and_bench_on_two_ranks(page, lab):
         ".querySelector('.widget-readout')?.textContent.trim() === '42'", arg=3,
         timeout=30_000)
 
+    # a debugger on the ranks is driven from JupyterLab's input box under the cell: one
+    # prompt for the ranks at it, pdb's lines first, each rank's own answer
     run_cell(page, 5)
+    prompt = answer_input(page, 5, "p x")
+    assert prompt == "[ranks 0-1] (Pdb)", prompt
+    answer_input(page, 5, "c")
     wait_cell_done(page, 5, timeout_s=60)
+    shown = cell(page, 5).locator(".jp-OutputArea").inner_text()
+    assert shown.index("-> pdb.set_trace()") < shown.index("[ranks 0-1] (Pdb)  p x") \
+        < shown.index("[rank 1] 10") < shown.index("[rank 1] after 10"), shown
+    # %debug after a cell failed on rank 1 opens the debugger there
+    run_cell(page, 6)
+    page.wait_for_function(  # done, and failed: wait_cell_done would refuse it
+        "i => /\\[[0-9]+\\]/.test(document.querySelectorAll('.jp-Notebook .jp-Cell')[i]"
+        ".querySelector('.jp-InputPrompt').textContent)", arg=6, timeout=60_000)
+    assert "ZeroDivisionError" in cell(page, 6).locator(".jp-OutputArea").inner_text()
+    run_cell(page, 7)
+    assert answer_input(page, 7, "p z") == "ipdb>"
+    answer_input(page, 7, "q")
+    wait_cell_done(page, 7, timeout_s=60)
+    debugged = cell(page, 7).locator(".jp-OutputArea").inner_text()
+    assert debugged.startswith("mpilab: the debugger on rank 1, where the cell failed"), debugged
+    assert "----> 2     return 1 / z" in debugged and "\n0\n" in debugged, debugged
+
+    run_cell(page, 8)
+    wait_cell_done(page, 8, timeout_s=60)

@@ -87,6 +87,7 @@ class FakeCluster:
         self.aborted: list[str] = []
         self.restarts = 0
         self.generation = 1  # which ranks these are (RankCluster.generation)
+        self.input_desk = None  # where the ranks' input() would ask (none here)
         self.on_signal = lambda rank: None
 
     def engines(self, ranks):

@@ -316,6 +316,82 @@ def test_interrupt_reaches_every_rank(ranks):
     assert after.ok and "'before'" in after.text
 
 
+# -- input() and debuggers on the ranks ------------------------------------------------------
+def test_input_on_the_ranks_is_asked_once_in_the_notebook_and_each_rank_gets_the_answer(ranks):
+    run = ranks.run("%%ranks\nname = input('name? ')\nprint('got', name, rank)",
+                    answers=["bob"])
+    assert run.ok, run.text
+    assert run.prompts == ["[ranks 0-1] name? "]
+    assert "[rank 0] got bob 0" in run.stdout and "[rank 1] got bob 1" in run.stdout
+    one = ranks.run("%%ranks\nif rank == 1:\n    print('asked', input('only you? '))",
+                    answers=["yes"])
+    assert one.ok and one.prompts == ["[rank 1] only you? "], one.text
+    assert "[rank 1] asked yes" in one.stdout
+    secret = ranks.run("%%ranks\nimport getpass\nprint(len(getpass.getpass()))",
+                       answers=["hunter2"])
+    assert secret.ok and secret.prompts == ["[ranks 0-1] Password: "], secret.text
+    assert "[ranks 0-1] 7" in secret.stdout and "hunter2" not in secret.text
+
+
+def test_pdb_and_breakpoint_on_the_ranks_are_driven_from_the_notebook(ranks):
+    run = ranks.run("%%ranks\nimport pdb\nx = rank * 10\npdb.set_trace()\nprint('after', x)",
+                    answers=["p x", "c"])
+    assert run.ok, run.text
+    assert run.prompts == ["[ranks 0-1] (Pdb) "] * 2
+    out = run.stdout
+    # pdb's lines before its prompt come first; each rank answers for itself
+    assert out.index("-> pdb.set_trace()") < out.index("[rank 0] 0") < out.index("[rank 0] after 0")
+    assert "[rank 1] 10" in out and "[rank 1] after 10" in out
+    # breakpoint() is pdb's on the ranks (ipykernel's hook made it a no-op there)
+    stop = ranks.run("%%ranks\nbreakpoint()\nprint('went on')", answers=["c"])
+    assert stop.ok and stop.prompts == ["[ranks 0-1] (Pdb) "], stop.text
+    quit_ = ranks.run("%%ranks\nbreakpoint()\nprint('never')", answers=["q"])
+    assert not quit_.ok and "never" not in quit_.text
+    assert "[ranks 0-1] quit the debugger: the cell stopped there" in quit_.error_text
+    assert "Traceback" not in quit_.text
+
+
+def test_debug_after_a_failed_cell_debugs_the_rank_it_failed_on(ranks):
+    failed = ranks.run("%%ranks\ndef f(z):\n    return 1 / z\nf(rank - 1)")
+    assert not failed.ok and "[rank 1] failed:" in failed.error_text
+    run = ranks.run("%debug", answers=["p z", "q"])
+    assert run.ok, run.text
+    assert run.text.startswith("mpilab: the debugger on rank 1, where the cell failed\n")
+    assert "----> 2     return 1 / z" in run.text and "\n0\n" in run.text
+    assert run.prompts == ["ipdb> "] * 2  # one rank: its prompt as it is
+    # an error of the notebook's own: IPython's %debug, as without mpilab
+    assert not ranks.run("1 / 0").ok
+    local = ranks.run("%debug", answers=["q"])
+    assert local.ok and local.prompts == ["ipdb> "] and "mpilab" not in local.text
+
+
+def test_a_rank_at_a_prompt_is_not_a_hang_and_the_stop_button_ends_it(ranks):
+    # rank 1 waits in a collective far past --hang-timeout while rank 0 waits for the user
+    code = ("%%ranks --hang-timeout 1\nimport torch\nif rank == 0:\n    input('go? ')\n"
+            "t = torch.ones(2)\nmpilab.allreduce(t)\nprint(t.tolist())")
+    run = ranks.run(code, answers=["go"], answer_after=3.0)
+    assert run.ok, run.text
+    assert "[ranks 0-1] [2.0, 2.0]" in run.stdout
+    stopped = ranks.run("%%ranks\nimport pdb\npdb.set_trace()\nprint('never')",
+                        interrupt_after=2.0)
+    assert not stopped.ok and stopped.prompts == ["[ranks 0-1] (Pdb) "], stopped.text
+    assert "[rank 0] interrupted" in stopped.error_text
+    assert "[rank 1] interrupted" in stopped.error_text and "never" not in stopped.text
+    assert ranks.run("%%ranks\nprint('next')").ok
+
+
+def test_a_cell_that_cannot_ask_says_so_and_its_input_ends_as_at_end_of_file(ranks):
+    run = ranks.run("%%ranks --noblock\ninput('later? ')")
+    assert run.ok and not run.prompts
+    messages = [m for m in ranks.collect_iopub(5.0) if m["parent"] == run.msg_id]
+    text = "".join(m["content"].get("text", "") for m in messages)
+    assert "EOFError: a --noblock cell takes no input: input() and debuggers on the ranks " \
+           "are answered in a cell that waits for them" in text, messages
+    # ipyparallel's own %%px cannot answer: the engine's error, at once, as without mpilab
+    px = ranks.run("%%px\ninput('px? ')", timeout=30)
+    assert not px.ok and not px.prompts and "StdinNotImplementedError" in px.text
+
+
 def test_noblock_returns_at_once_and_output_lands_under_its_cell(ranks):
     cell = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(1.5)\nprint('late', rank)")
     assert cell.ok

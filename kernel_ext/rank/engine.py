@@ -16,6 +16,8 @@ import threading
 import traceback
 import warnings
 
+from ..wire import CELL_LABEL, CELL_LABEL_PREFIX
+
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
 
 
@@ -104,13 +106,15 @@ def host_oversubscribed(environ=os.environ, cores: int | None = None) -> bool:
     return local > (len(os.sched_getaffinity(0)) if cores is None else cores)
 
 
-def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float) -> dict:
-    """Make this engine a rank; returns the rank's summary for the notebook."""
+def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float,
+              input_address: str | None = None) -> dict:
+    """Make this engine a rank; returns the rank's summary for the notebook.
+    input_address: where the notebook answers the rank's input() (mpilab.rank.stdin)."""
     import mpilab
     from IPython import get_ipython
 
     from . import agent as agent_mod
-    from . import warmup
+    from . import stdin, warmup
     from .bootstrap import init
     from .torchrun import install_shell
 
@@ -135,6 +139,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     install_shell(shell)  # `%run script.py` fails the cell when the script fails
     agent = agent_mod.current()
     state = agent.state
+    asker = stdin.install(shell.kernel, input_address, agent)
 
     def pre_run(info=None):
         state.cell += 1
@@ -146,7 +151,11 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         parent = shell.kernel.get_parent()
         state.request = parent.get("header", {}).get("msg_id", "")
         # the notebook's In[n] for this cell (its request's label): tracebacks name it
-        label = _CELL_LABEL.fullmatch(parent.get("metadata", {}).get("label") or "")
+        request_label = parent.get("metadata", {}).get("label") or ""
+        # input() asks the notebook in mpilab's cells only (`%%px` cannot answer it)
+        if asker is not None:
+            asker.answered = request_label.startswith(CELL_LABEL_PREFIX)
+        label = _CELL_LABEL.fullmatch(request_label)
         if label:  # IPython counted this cell before running it
             _notebook_count[shell.execution_count - 1] = int(label.group(1))
         agent.emit("event", what="cell-start", cell=state.cell, msg=state.request)
@@ -184,7 +193,7 @@ def _is_hidden(filename: str) -> bool:
     return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
 
 
-_CELL_LABEL = re.compile(r"mpilab:In\[(\d+)\]")  # mpilab.runner.CELL_LABEL
+_CELL_LABEL = re.compile(re.escape(CELL_LABEL).replace(r"\{\}", r"(\d+)"))
 _notebook_count: dict[int, int] = {}  # this engine's execution count -> the notebook's
 
 
@@ -318,6 +327,9 @@ def _cell_warnings(shell, format_warning):
 
 
 def _clean_traceback(shell, etype, value, tb, tb_offset=None):
+    # IPython keeps these for `%debug` only on its own traceback path, not a custom one
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb
+    sys.last_exc = value
     stb = format_clean_traceback(shell, etype, value, tb)
     shell._showtraceback(etype, value, stb)
     return stb
