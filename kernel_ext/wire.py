@@ -3,6 +3,8 @@
 - The record channel: the kinds of record a rank's agent sends, their fields, the
   tables the per-step kinds travel as, the limits of a message, and the one encoder
   (rank side) and decoder (notebook side) of its messages.
+- A cell's execute request label, and a rank's input() question, its marker among the
+  rank's outputs, and the notebook's answer.
 - The environment a launcher hands the ranks.
 - The lines the ranks write for the notebook side to read: a rank's supervisor's when its
   engine ends, rank 0's measurements under `mpilab bench`.

@@ -150,6 +150,16 @@ def test_ssh_start_names_both_hosts_and_every_rank_answers(ssh_ranks):
     assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
 
 
+def test_ssh_a_rank_on_node2_asks_the_notebook_for_input(ssh_ranks):
+    # its question crosses to the notebook as its records do: rank 2's socket connects to it
+    run = ssh_ranks.run("%%ranks\nimport socket\nif rank == 2:\n"
+                        "    print(socket.gethostname(), input('which host? '))",
+                        answers=["the second"], timeout=120)
+    assert run.ok, run.text
+    assert run.prompts == ["[rank 2] which host? "]
+    assert "[rank 2] node2 the second" in run.stdout, run.text
+
+
 def test_ssh_ranks_listen_on_the_cluster_network_only(ssh_ranks, emulated_cluster):
     run = ssh_ranks.run(CHECK_CELL, timeout=120)
     assert run.ok, run.text
