@@ -265,7 +265,7 @@ class RunningCell:
 
     def _ask_the_user(self) -> None:
         """Put the ranks' questions to the user once every rank still running has asked,
-        or the first has waited a moment (`CellQuestions.due`), after the lines they
+        or no more come for a moment (`CellQuestions.due`), after the lines they
         printed before asking. From the first question on, the watchdog calls no hang:
         the ranks wait for the user (a debugger's prompt), whose answer may take minutes."""
         if not self.questions.asked:

@@ -20,7 +20,9 @@ import zmq
 from .selection import rank_label
 from .wire import MAX_INPUT_BYTES, input_answer, input_route, read_input
 
-GATHER_S = 0.3  # how long the first question waits for the same one from other ranks
+# how long the questions wait for more from other ranks once none has come for this long
+# (a thousand ranks' markers reach the notebook over more than a moment)
+GATHER_S = 0.3
 QUESTION_WAIT_S = 2.0  # for a question whose marker has come (it was sent before it)
 
 
@@ -95,7 +97,7 @@ class CellQuestions:
         self.refuse = refuse
         self.asked = False  # a rank of this cell has asked the user (the watchdog holds back)
         self._waiting: list[Question] = []
-        self._first = 0.0
+        self._latest = 0.0  # when the newest waiting question came
 
     def add(self, rank: int, marker: dict) -> None:
         """A rank's marker, read among its outputs."""
@@ -108,18 +110,17 @@ class CellQuestions:
         if self.refuse:
             self._refuse([question], self.refuse)
             return
-        if not self._waiting:
-            self._first = time.monotonic()
+        self._latest = time.monotonic()
         self._waiting.append(question)
 
     def due(self, running: list[int]) -> bool:
-        """Questions are waiting, and every rank still running the cell has asked, or the
-        first has waited GATHER_S for the others."""
+        """Questions are waiting, and every rank still running the cell has asked, or none
+        has come for GATHER_S."""
         if not self._waiting:
             return False
         asking = {q.rank for q in self._waiting}
         return (all(r in asking for r in running)
-                or time.monotonic() - self._first >= GATHER_S)
+                or time.monotonic() - self._latest >= GATHER_S)
 
     def ask(self) -> None:
         """Put each prompt to the user once and answer the ranks that asked it.

@@ -56,14 +56,18 @@ def test_ranks_at_the_same_prompt_are_asked_once_and_each_gets_the_answer(monkey
     assert questions.asked and not questions.due([0, 1, 2])
 
 
-def test_the_first_question_waits_a_moment_for_the_others(monkeypatch):
-    desk = Desk({(3, 7): ("go? ", False)})
+def test_questions_wait_for_more_until_none_has_come_for_a_moment(monkeypatch):
+    desk = Desk({(3, 7): ("go? ", False), (4, 7): ("go? ", False)})
     questions = CellQuestions(desk, 8, write=lambda *a: None)
     clock = [100.0]
     monkeypatch.setattr(rank_input.time, "monotonic", lambda: clock[0])
     questions.add(3, {"id": 7})
     assert not questions.due(list(range(8)))
-    clock[0] += rank_input.GATHER_S + 0.01
+    clock[0] += rank_input.GATHER_S * 0.9
+    questions.add(4, {"id": 7})  # another came: the wait starts again
+    clock[0] += rank_input.GATHER_S * 0.9
+    assert not questions.due(list(range(8)))
+    clock[0] += rank_input.GATHER_S * 0.2
     assert questions.due(list(range(8)))
 
 
@@ -122,3 +126,17 @@ def test_questions_and_answers_cross_as_defined_once():
         "id": 3, "text": None, "refused": "no input"}
     with pytest.raises(ValueError):
         read_input(b'["not", "a", "question"]')
+
+
+def test_debug_after_the_failed_ranks_were_restarted_is_one_line():
+    from mpilab.cluster import ClusterError
+    from mpilab.runner import RanksError
+    from mpilab.session import Session
+
+    session = Session()  # no ranks running: RankCluster's generation 0
+    assert not session.post_mortem(ZeroDivisionError())  # the notebook's own: IPython's %debug
+    assert not session.post_mortem(RanksError("interrupted", failed=[]))
+    with pytest.raises(ClusterError, match="^the ranks that failed have been stopped or "
+                                           "restarted since: their error is gone; run the "
+                                           "cell again, then `%debug`$"):
+        session.post_mortem(RanksError("failed", failed=[1], generation=3))
