@@ -145,8 +145,10 @@ class CellRunner:
             data["text/plain"] = f"Out[{rank_label(ranks)}]: " + data.get("text/plain", "")
             display_bundle(data)
         if not outcome.ok:
+            # ranks this cell restarted kept no error to debug: no generation is theirs
+            generation = -1 if outcome.restarted else self.cluster.generation
             raise RanksError(report_text(outcome, options.timeout), failed_ranks(outcome),
-                             self.cluster.generation)
+                             generation)
 
     def wait_background(self, timeout: float | None = None) -> None:
         for thread in self.background:

@@ -154,18 +154,21 @@ class Session:
 
         self.cluster.check_usable()
         sizes_list, backend_list = bench_arguments(sizes, backends)
-        self._on_ranks(check_memory, op, sizes_list)  # before the first size is measured
         rows: list[dict] = []
         notes: list[dict] = []  # a backend that cannot run says so once, not at each size
-        for done, size in enumerate(sizes_list):
-            measured = self._on_ranks(run_bench, op, [size], backend_list)[0]
-            rows += [row for row in measured if row.get("time_s") is not None]
-            if done == 0:
-                notes = [row for row in measured if row.get("time_s") is None]
-            if progress is not None:
-                progress(done + 1, len(sizes_list), size)
-        ceiling = self._on_ranks(memcpy_bandwidth, max(64 << 20, max(sizes_list)),
-                                 ranks=[0])[0]
+        try:
+            self._on_ranks(check_memory, op, sizes_list)  # before the first size is measured
+            for done, size in enumerate(sizes_list):
+                measured = self._on_ranks(run_bench, op, [size], backend_list)[0]
+                rows += [row for row in measured if row.get("time_s") is not None]
+                if done == 0:
+                    notes = [row for row in measured if row.get("time_s") is None]
+                if progress is not None:
+                    progress(done + 1, len(sizes_list), size)
+            ceiling = self._on_ranks(memcpy_bandwidth, max(64 << 20, max(sizes_list)),
+                                     ranks=[0])[0]
+        except KeyboardInterrupt:  # between sizes, or as one is sent (the ranks finish it)
+            raise ClusterError("bench interrupted") from None
         return notes + rows, ceiling
 
     def _on_ranks(self, function, *args, ranks: list[int] | None = None) -> list:

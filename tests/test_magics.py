@@ -392,6 +392,23 @@ def test_a_cell_that_cannot_ask_says_so_and_its_input_ends_as_at_end_of_file(ran
     assert not px.ok and not px.prompts and "StdinNotImplementedError" in px.text
 
 
+def test_the_stop_button_while_a_cell_reports_its_error_keeps_that_error_clean(ranks):
+    # the interrupt lands while the ranks format the error (its message is slow to make)
+    code = ("%%ranks\nimport time\nclass SlowToSay(Exception):\n    said = False\n"
+            "    def __str__(self):\n        if not SlowToSay.said:\n"
+            "            SlowToSay.said = True\n            time.sleep(1.5)\n"
+            "        return 'said slowly'\nraise SlowToSay()")
+    run = ranks.run(code, interrupt_after=0.7, timeout=60)
+    assert not run.ok
+    assert "[ranks 0-1] failed:" in run.error_text and \
+        run.error_text.count("SlowToSay: said slowly") == 1, run.text
+    assert "Custom TB Handler failed" not in run.text and "site-packages" not in run.text
+    # the ranks' clean tracebacks are still theirs
+    later = ranks.run("%%ranks\nraise ValueError('plain')")
+    assert "Traceback (most recent call last):\n  Cell In[" in later.error_text, later.text
+    assert "site-packages" not in later.text
+
+
 def test_noblock_returns_at_once_and_output_lands_under_its_cell(ranks):
     cell = ranks.run("%%ranks --noblock\nimport time\ntime.sleep(1.5)\nprint('late', rank)")
     assert cell.ok

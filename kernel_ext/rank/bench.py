@@ -26,6 +26,7 @@ so the memory bus carries at least twice the figure.
 from __future__ import annotations
 
 import itertools
+import signal
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +36,7 @@ import numpy as np
 from ..wire import BENCH_COLLECTIVES, check_backends
 from .context import context
 from .memory import available_memory
-from .waiting import wait_interruptibly
+from .waiting import poll, wait_interruptibly
 
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _WARMUP = 2
@@ -71,7 +72,6 @@ def memcpy_figures(comm, rounds: int) -> tuple[list[float], list[float]]:
     ranks wait without spinning, and as many times the same copy on every rank at once
     (the slowest rank's), alternating: the host's memory bandwidth drifts, at times 2x
     for seconds. Collective; both lists on every rank."""
-    from .waiting import wait_interruptibly
 
     alone, together = [], []
     for _ in range(rounds):
@@ -159,45 +159,97 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
         else:
             running.append(backend)
     measured: dict[tuple[str, int], dict] = {}
-    for size in sizes:
-        buffers = _buffers(op, size, n)
-        steps = {b: _step(op, b, buffers, ctx) for b in running}
-        calls = dict.fromkeys(running, max(1, min(_MAX_ITERS, _TIMED_BYTES // size)))
-        times: dict[str, list[float]] = {b: [] for b in running}
-        first: dict[str, float] = {}  # each backend's time a call in the first warm-up
-        # Backends take turns at every repetition, so a burst of load on the node hits
-        # them alike instead of spoiling one backend's whole series.
-        orders = list(itertools.permutations(running))
-        for i in range(_WARMUP + repeats):
-            if i == 1:
-                calls = _calls_within(comm, first, calls)
-            # every order in turn: a backend that leaves work behind (gloo's threads)
-            # slows each other backend equally often (a plain rotation of three puts
-            # the same one after gloo in two repeats of three)
-            for b in orders[i % len(orders)]:
-                step, count = steps[b], calls[b]
-                wait_interruptibly(comm.Ibarrier())  # interruptible while ranks gather,
-                for _ in range(max(1, count // 5)):  # untimed: what the previous backend
-                    step()  # left behind (gloo: ~20 slow small collectives after it)
-                comm.Barrier()  # then a spinning barrier: ranks start within a µs or so
-                t0 = time.perf_counter()
-                for _ in range(count):
-                    step()
-                per_call = (time.perf_counter() - t0) / count
-                if i == 0:
-                    first[b] = per_call
-                elif i >= _WARMUP:
-                    times[b].append(per_call)
-        nbytes = effective_size(op, size, n)
-        for b in running:
-            slowest = _slowest(comm, times[b])
-            t = float(np.median(slowest))
-            algbw = nbytes / t / 1e9
-            measured[(b, size)] = {"op": op, "backend": b, "size_bytes": nbytes, "time_s": t,
-                                   "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n),
-                                   "time_min_s": float(slowest.min())}
+    with StopTogether() as stop:
+        for size in sizes:
+            buffers = _buffers(op, size, n)
+            steps = {b: _step(op, b, buffers, ctx) for b in running}
+            calls = dict.fromkeys(running, max(1, min(_MAX_ITERS, _TIMED_BYTES // size)))
+            times: dict[str, list[float]] = {b: [] for b in running}
+            first: dict[str, float] = {}  # each backend's time a call in the first warm-up
+            # Backends take turns at every repetition, so a burst of load on the node hits
+            # them alike instead of spoiling one backend's whole series.
+            orders = list(itertools.permutations(running))
+            for i in range(_WARMUP + repeats):
+                if i == 1:
+                    calls = _calls_within(comm, first, calls)
+                # every order in turn: a backend that leaves work behind (gloo's threads)
+                # slows each other backend equally often (a plain rotation of three puts
+                # the same one after gloo in two repeats of three)
+                for b in orders[i % len(orders)]:
+                    step, count = steps[b], calls[b]
+                    stop.agree(comm)  # the stop button ends every rank here, together
+                    for _ in range(max(1, count // 5)):  # untimed: what the previous backend
+                        step()  # left behind (gloo: ~20 slow small collectives after it)
+                    comm.Barrier()  # then a spinning barrier: ranks start within a µs or so
+                    t0 = time.perf_counter()
+                    for _ in range(count):
+                        step()
+                    per_call = (time.perf_counter() - t0) / count
+                    if i == 0:
+                        first[b] = per_call
+                    elif i >= _WARMUP:
+                        times[b].append(per_call)
+            nbytes = effective_size(op, size, n)
+            for b in running:
+                slowest = _slowest(comm, times[b])
+                t = float(np.median(slowest))
+                algbw = nbytes / t / 1e9
+                measured[(b, size)] = {"op": op, "backend": b, "size_bytes": nbytes, "time_s": t,
+                                       "algbw_GBps": algbw, "busbw_GBps": algbw * bus_factor(op, n),
+                                       "time_min_s": float(slowest.min())}
     rows += [measured[(b, size)] for b in running for size in sizes]
     return rows if ctx.rank == 0 else []
+
+
+class StopTogether:
+    """The stop button during a bench ends every rank at the same point.
+
+    A backend's collectives run back to back, and some cannot be interrupted (mpi4py's
+    blocking Allreduce, the peer a user would use): a rank interrupted inside a loop
+    leaves the others blocked in it for good. So while measuring, SIGINT only takes note;
+    before each loop every rank says whether it was told to stop, and all stop there
+    together, once each has finished the same loops. A rank that waits longer than
+    AGREE_GRACE_S for the others (one of them busy elsewhere) stops alone, as it did.
+    """
+
+    AGREE_GRACE_S = 2.0
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._saved = None
+
+    def __enter__(self) -> StopTogether:
+        try:
+            self._saved = signal.signal(signal.SIGINT, self._note)
+        except ValueError:  # not the main thread: interrupts reach it as they did
+            self._saved = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is not None:
+            signal.signal(signal.SIGINT, self._saved)
+
+    def _note(self, signum, frame) -> None:
+        self.asked = True
+
+    def agree(self, comm) -> None:
+        """Every rank gathers here; if any was told to stop, all raise KeyboardInterrupt."""
+        from mpi4py import MPI
+
+        flag = np.array([int(self.asked)], np.int32)
+        request = comm.Iallreduce(MPI.IN_PLACE, flag, MPI.MAX)
+        told_at: list[float] = []
+
+        def gathered() -> bool:
+            if self.asked:  # told while waiting: the others get AGREE_GRACE_S to come
+                told_at[:] = told_at or [time.monotonic()]
+                if time.monotonic() - told_at[0] > self.AGREE_GRACE_S:
+                    raise KeyboardInterrupt
+            return request.Test()
+
+        poll(gathered)
+        if flag[0]:
+            raise KeyboardInterrupt
 
 
 def _calls_within(comm, per_call: dict[str, float], calls: dict[str, int]) -> dict[str, int]:

@@ -176,11 +176,27 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     return ctx.summary()
 
 
+# the functions that report a cell's error: an interrupt that lands in one of them has no
+# code of the user's left to stop, and raised there it would replace the cell's error with
+# one in IPython's formatting (which also drops the clean traceback for good)
+_REPORTING = frozenset({"_clean_traceback", "_format_exception_for_storage"})
+
+
 def _interrupt(signum, frame):
     from .waiting import abort
 
-    abort("the cell was interrupted")
-    raise KeyboardInterrupt
+    abort("the cell was interrupted")  # other threads' waits end either way
+    if not _reporting_error(frame):
+        raise KeyboardInterrupt
+
+
+def _reporting_error(frame) -> bool:
+    """The main thread, interrupted at `frame`, is reporting the cell's error."""
+    while frame is not None:
+        if frame.f_code.co_name in _REPORTING:
+            return True
+        frame = frame.f_back
+    return False
 
 
 _MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -62,7 +62,9 @@ class NotebookInput:
         with self._lock:
             sock = self._socket()
             qid = next(self._ids)
-            sock.send(input_question(qid, prompt, password))
+            # the notebook takes messages up to MAX_INPUT_BYTES (JSON: 6 bytes a character
+            # at most)
+            sock.send(input_question(qid, prompt[-(MAX_INPUT_BYTES // 8):], password))
             publish_display_data({INPUT_MARKER: {"id": qid}})
             phase, state.phase = state.phase, INPUT_PHASE
             self.agent.beat()
@@ -95,7 +97,6 @@ class NotebookInput:
 
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, MAX_INPUT_BYTES)
             sock.setsockopt(zmq.IDENTITY, input_route(self.agent.rank))
             sock.connect(self.address)
             self._sock = sock
