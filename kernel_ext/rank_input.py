@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import zmq
 
 from .selection import rank_label
-from .wire import MAX_INPUT_BYTES, input_answer, input_route, read_input
+from .wire import MAX_INPUT_BYTES, input_answer, read_input
 
-# how long the questions wait for more from other ranks once none has come for this long
-# (a thousand ranks' markers reach the notebook over more than a moment)
+# the ranks' questions are put to the user once every rank still running has asked, or
+# none has come for this long (a thousand ranks' markers arrive over more than a moment)
 GATHER_S = 0.3
+HELD_QUESTIONS = 4096  # questions kept until their markers come; past it the oldest go
 QUESTION_WAIT_S = 2.0  # for a question whose marker has come (it was sent before it)
 
 
@@ -69,6 +70,8 @@ class InputDesk:
             route, raw = self._sock.recv_multipart(zmq.NOBLOCK)
             message = read_input(raw)
             self._arrived[(route, message["id"])] = message
+            if len(self._arrived) > HELD_QUESTIONS:  # never claimed by a marker
+                del self._arrived[next(iter(self._arrived))]
         except (ValueError, zmq.Again):  # not a rank's question: dropped
             pass
 
@@ -101,9 +104,11 @@ class CellQuestions:
 
     def add(self, rank: int, marker: dict) -> None:
         """A rank's marker, read among its outputs."""
-        if self.desk is None or not isinstance(marker.get("id"), int):
+        route = marker.get("route")
+        if self.desk is None or not isinstance(marker.get("id"), int) or \
+                not isinstance(route, str):
             return
-        question = self.desk.question(rank, input_route(rank), marker["id"])
+        question = self.desk.question(rank, route.encode(), marker["id"])
         if question is None:
             return
         self.asked = True

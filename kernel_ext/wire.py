@@ -216,13 +216,19 @@ CELL_LABEL = CELL_LABEL_PREFIX + "In[{}]"  # the notebook's count
 # The question travels on its own socket (a rank's DEALER to the notebook's ROUTER, where
 # the notebook listens for records); the marker, a display among the cell's outputs,
 # says where it falls among what the rank printed (pdb's lines come before its prompt).
-INPUT_MARKER = "application/vnd.mpilab.input+json"  # {"id": question id}
+# {"id": question id, "route": the asking socket's name}: the notebook answers only the
+# socket a marker names, which came over ipyparallel's signed channel; the name is the
+# rank's and random, so another process on the network cannot take its answers
+INPUT_MARKER = "application/vnd.mpilab.input+json"
 MAX_INPUT_BYTES = 1 << 20  # a question's or an answer's (a prompt, a line the user typed)
 
 
-def input_route(rank: int) -> bytes:
-    """Rank `rank`'s name on the notebook's input socket (its socket's identity)."""
-    return f"rank-{rank}".encode()
+def input_route(rank: int) -> str:
+    """A name for rank `rank`'s socket on the notebook's input socket (its identity):
+    the rank's number and a random part no other process can guess."""
+    import secrets
+
+    return f"rank-{rank}-{secrets.token_hex(16)}"
 
 
 def input_question(qid: int, prompt: str, password: bool) -> bytes:

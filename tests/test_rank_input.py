@@ -18,7 +18,7 @@ class Desk:
         self.answers: list[tuple[int, str | None, str]] = []
 
     def question(self, rank, route, qid):
-        assert route == input_route(rank)
+        assert route == f"r{rank}".encode()  # the route the marker names
         prompt, password = self.questions[(rank, qid)]
         return Question(rank, qid, prompt, password, route)
 
@@ -45,10 +45,10 @@ def test_ranks_at_the_same_prompt_are_asked_once_and_each_gets_the_answer(monkey
                  (2, 1): ("name? ", False)})
     asked = _user(monkeypatch, ["n", "ada"])
     questions = CellQuestions(desk, 4, write=lambda *a: None)
-    questions.add(0, {"id": 1})
+    questions.add(0, {"id": 1, "route": "r0"})
     assert not questions.due([0, 1, 2, 3])  # the others may be about to ask
-    questions.add(1, {"id": 1})
-    questions.add(2, {"id": 1})
+    questions.add(1, {"id": 1, "route": "r1"})
+    questions.add(2, {"id": 1, "route": "r2"})
     assert questions.due([0, 1, 2])  # every rank still running has asked (3 finished)
     questions.ask()
     assert asked == [("[ranks 0-1] (Pdb) ", False), ("[rank 2] name? ", False)]
@@ -61,10 +61,10 @@ def test_questions_wait_for_more_until_none_has_come_for_a_moment(monkeypatch):
     questions = CellQuestions(desk, 8, write=lambda *a: None)
     clock = [100.0]
     monkeypatch.setattr(rank_input.time, "monotonic", lambda: clock[0])
-    questions.add(3, {"id": 7})
+    questions.add(3, {"id": 7, "route": "r3"})
     assert not questions.due(list(range(8)))
     clock[0] += rank_input.GATHER_S * 0.9
-    questions.add(4, {"id": 7})  # another came: the wait starts again
+    questions.add(4, {"id": 7, "route": "r4"})  # another came: the wait starts again
     clock[0] += rank_input.GATHER_S * 0.9
     assert not questions.due(list(range(8)))
     clock[0] += rank_input.GATHER_S * 0.2
@@ -75,7 +75,7 @@ def test_one_rank_cell_shows_the_prompt_as_it_is_and_passwords_stay_passwords(mo
     desk = Desk({(1, 1): ("Password: ", True)})
     asked = _user(monkeypatch, ["pw"])
     questions = CellQuestions(desk, 1, write=lambda *a: None)
-    questions.add(1, {"id": 1})
+    questions.add(1, {"id": 1, "route": "r1"})
     questions.ask()
     assert asked == [("Password: ", True)]
 
@@ -85,8 +85,8 @@ def test_a_frontend_without_input_is_one_line_and_the_ranks_get_end_of_file(monk
     _user(monkeypatch, [StdinNotImplementedError("no stdin")])
     written = []
     questions = CellQuestions(desk, 2, write=lambda stream, text: written.append((stream, text)))
-    questions.add(0, {"id": 1})
-    questions.add(1, {"id": 1})
+    questions.add(0, {"id": 1, "route": "r0"})
+    questions.add(1, {"id": 1, "route": "r1"})
     questions.ask()
     assert written == [("stderr", "mpilab: ranks 0-1 asked for input ('name?'), but this "
                                   "notebook's frontend takes no input: their input() raised "
@@ -99,7 +99,7 @@ def test_the_stop_button_while_asking_reaches_the_cell_and_nothing_is_answered(m
     desk = Desk({(0, 1): ("(Pdb) ", False)})
     _user(monkeypatch, [KeyboardInterrupt()])
     questions = CellQuestions(desk, 2, write=lambda *a: None)
-    questions.add(0, {"id": 1})
+    questions.add(0, {"id": 1, "route": "r0"})
     with pytest.raises(KeyboardInterrupt):
         questions.ask()
     assert desk.answers == []  # the interrupt stops the rank's wait itself
@@ -109,14 +109,26 @@ def test_a_cell_that_cannot_ask_answers_at_once_with_why(monkeypatch):
     desk = Desk({(0, 1): ("x? ", False)})
     asked = _user(monkeypatch, [])
     questions = CellQuestions(desk, 2, write=lambda *a: None, refuse="a --noblock cell")
-    questions.add(0, {"id": 1})
+    questions.add(0, {"id": 1, "route": "r0"})
     assert not questions.due([0, 1]) and asked == []
     assert desk.answers == [(0, None, "a --noblock cell")]
     # a question left when the cell ends is not left waiting
     late = CellQuestions(Desk({(1, 2): ("y? ", False)}), 2, write=lambda *a: None)
-    late.add(1, {"id": 2})
+    late.add(1, {"id": 2, "route": "r1"})
     late.close("the cell ended")
     assert late.desk.answers == [(1, None, "the cell ended")]
+
+
+def test_a_marker_without_the_route_of_its_socket_is_not_answered():
+    desk = Desk({(0, 1): ("x? ", False)})
+    questions = CellQuestions(desk, 2, write=lambda *a: None)
+    questions.add(0, {"id": 1})
+    assert not questions.asked and desk.answers == []
+
+
+def test_a_rank_s_route_cannot_be_guessed():
+    first, second = input_route(3), input_route(3)
+    assert first.startswith("rank-3-") and first != second and len(first) > 30
 
 
 def test_questions_and_answers_cross_as_defined_once():

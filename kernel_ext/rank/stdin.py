@@ -33,6 +33,7 @@ class NotebookInput:
         self._engine_input, self._engine_getpass = kernel.raw_input, kernel.getpass
         self.answered = True  # the running cell is mpilab's (set as each cell begins)
         self._sock = None
+        self._route = input_route(agent.rank)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()  # one question at a time: the socket is not thread-safe
         self._stopped = ""  # the cell (request id) whose question the user stopped
@@ -65,7 +66,7 @@ class NotebookInput:
             # the notebook takes messages up to MAX_INPUT_BYTES (JSON: 6 bytes a character
             # at most)
             sock.send(input_question(qid, prompt[-(MAX_INPUT_BYTES // 8):], password))
-            publish_display_data({INPUT_MARKER: {"id": qid}})
+            publish_display_data({INPUT_MARKER: {"id": qid, "route": self._route}})
             phase, state.phase = state.phase, INPUT_PHASE
             self.agent.beat()
             try:
@@ -97,7 +98,7 @@ class NotebookInput:
 
             sock = zmq.Context.instance().socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, input_route(self.agent.rank))
+            sock.setsockopt(zmq.IDENTITY, self._route.encode())
             sock.connect(self.address)
             self._sock = sock
         return self._sock
