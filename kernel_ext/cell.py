@@ -266,15 +266,20 @@ class RunningCell:
     def _ask_the_user(self) -> None:
         """Put the ranks' questions to the user once every rank still running has asked,
         or no more come for a moment (`CellQuestions.due`), after the lines they
-        printed before asking. From the first question on, the watchdog calls no hang:
-        the ranks wait for the user (a debugger's prompt), whose answer may take minutes."""
-        if not self.questions.asked:
+        printed before asking. While ranks wait for the user, and for a hang timeout
+        after the last answer (a debugger's next step), the ranks waiting for them wait
+        for the user: the watchdog calls no hang."""
+        questions = self.questions
+        if not questions.waiting:
             return
-        self.watchdog.user_driven = True
+        self.watchdog.hold_hangs(float("inf"))
         running = [r for r in self.ranks if not self._singles[r].ready()]
-        if self.questions.due(running):
+        if questions.due(running):
             self.relay.flush(time.monotonic(), final=True)
-            self.questions.ask()
+            try:
+                questions.ask()
+            finally:
+                self.watchdog.hold_hangs(questions.answered_at + self.options.hang_timeout)
 
     def _past_deadline(self) -> bool:
         """--timeout counts from when the ranks begin the cell: it may have waited behind

@@ -98,9 +98,9 @@ class CellQuestions:
         self.cell_ranks = cell_ranks
         self.write = write
         self.refuse = refuse
-        self.asked = False  # a rank of this cell has asked the user (the watchdog holds back)
         self._waiting: list[Question] = []
         self._latest = 0.0  # when the newest waiting question came
+        self.answered_at = 0.0  # when the user last answered (time.time())
 
     def add(self, rank: int, marker: dict) -> None:
         """A rank's marker, read among its outputs."""
@@ -111,12 +111,16 @@ class CellQuestions:
         question = self.desk.question(rank, route.encode(), marker["id"])
         if question is None:
             return
-        self.asked = True
         if self.refuse:
             self._refuse([question], self.refuse)
             return
         self._latest = time.monotonic()
         self._waiting.append(question)
+
+    @property
+    def waiting(self) -> bool:
+        """Ranks wait for the user: their questions are gathered, not yet answered."""
+        return bool(self._waiting)
 
     def due(self, running: list[int]) -> bool:
         """Questions are waiting, and every rank still running the cell has asked, or none
@@ -138,10 +142,10 @@ class CellQuestions:
         for (prompt, password), questions in groups.items():
             ranks = sorted(q.rank for q in questions)
             shown = f"[{rank_label(ranks)}] {prompt}" if self.cell_ranks > 1 else prompt
+            # the stop button raises KeyboardInterrupt here, to the caller: the cell's
+            # interrupt stops the asking ranks' wait too, so they get no answer
             try:
                 text = _ask_user(shown, password)
-            except KeyboardInterrupt:
-                raise  # the cell's interrupt reaches the asking ranks too: no answer
             except Exception as e:  # noqa: BLE001 - a frontend that takes no input
                 why = "this notebook's frontend takes no input"
                 self.write("stderr", f"mpilab: {rank_label(ranks)} asked for input "
@@ -149,6 +153,7 @@ class CellQuestions:
                                      "raised EOFError\n")
                 self._refuse(questions, f"{why} ({type(e).__name__})")
                 continue
+            self.answered_at = time.time()
             for q in questions:
                 self.desk.answer(q, text)
 

@@ -185,11 +185,15 @@ def _raised(outcome: CellOutcome) -> dict[int, str]:
             if r not in outcome.released and r not in outcome.dropped}
 
 
+def _stopped(traceback: str) -> bool:
+    """A rank's error that says it was stopped: interrupted, or its collective aborted."""
+    return is_interrupt(traceback) or "CollectiveAborted" in traceback.splitlines()[-1]
+
+
 def failed_ranks(outcome: CellOutcome) -> list[int]:
-    """The ranks whose code raised (an interrupt is not a failure)."""
+    """The ranks whose code raised (being stopped, or quitting a debugger, is not it)."""
     return sorted(r for r, e in _raised(outcome).items()
-                  if not is_interrupt(e) and not is_debugger_quit(e)
-                  and "CollectiveAborted" not in e.splitlines()[-1])
+                  if not _stopped(e) and not is_debugger_quit(e))
 
 
 def report_text(outcome: CellOutcome, timeout: float | None) -> str:
@@ -208,8 +212,7 @@ def report_text(outcome: CellOutcome, timeout: float | None) -> str:
     errors = _raised(outcome)
     for ranks in _group(errors):
         text = errors[ranks[0]]
-        if is_interrupt(text) or "CollectiveAborted" in text.splitlines()[-1] or \
-                (outcome.interrupted and is_debugger_quit(text)):
+        if _stopped(text) or (outcome.interrupted and is_debugger_quit(text)):
             lines.extend(f"[rank {r}] interrupted" for r in ranks)
         elif is_debugger_quit(text):
             lines.append(f"[{rank_label(ranks)}] quit the debugger: the cell stopped there")

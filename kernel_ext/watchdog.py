@@ -193,9 +193,14 @@ class Watchdog:
                        if rank in self._ranks}
         self._remote = [r for r in ranks if r not in self._procs and r in self._info]
         self._outside = [r for r in range(cluster.world_size) if r not in self._ranks]
-        # a rank of this cell has asked the user for input (a debugger's prompt): ranks
-        # that wait for it wait for the user, and no wait is called a hang
-        self.user_driven = False
+        # no hang is called before this time (epoch s): ranks of this cell wait for the
+        # user's answer to a rank's input() or debugger prompt, or have just had it
+        self._hangs_held_until = 0.0
+
+    def hold_hangs(self, until: float) -> None:
+        """Call no hang before `until` (epoch s; inf: until told otherwise): the ranks wait
+        for the user, and a collective's wait so far counts the user's time."""
+        self._hangs_held_until = until
 
     def _compares(self, hb: dict) -> bool:
         """A heartbeat whose collectives are compared: a rank of this cell's, sent
@@ -285,7 +290,7 @@ class Watchdog:
                 return Verdict("peer-failed", lines, release=running,
                                blocking=self._blocking(waiting))
             return None
-        if self.user_driven:
+        if now < self._hangs_held_until:
             return None
         # a heartbeat of an earlier cell (this one's first has not come yet) may still
         # show the collective a released rank was in

@@ -372,6 +372,15 @@ def test_a_rank_at_a_prompt_is_not_a_hang_and_the_stop_button_ends_it(ranks):
     run = ranks.run(code, answers=["go"], answer_after=3.0)
     assert run.ok, run.text
     assert "[ranks 0-1] [2.0, 2.0]" in run.stdout
+    # once the user has answered, a collective that stays unjoined is a hang again, a
+    # hang timeout after the answer (not at once: its wait so far counts the user's time)
+    never = ("%%ranks --hang-timeout 2\nimport torch\nif rank == 0:\n    input('go? ')\n"
+             "else:\n    mpilab.allreduce(torch.ones(2))")
+    hung = ranks.run(never, answers=["go"], answer_after=3.0, timeout=60)
+    assert not hung.ok and "hang: rank 1 was waiting in allreduce" in hung.error_text, \
+        hung.text
+    waited = float(re.search(r"allreduce #\d+ \(2\) for ([\d.]+) s", hung.error_text)[1])
+    assert waited >= 3.0 + 2.0, hung.error_text
     stopped = ranks.run("%%ranks\nimport pdb\npdb.set_trace()\nprint('never')",
                         interrupt_after=2.0)
     assert not stopped.ok and stopped.prompts == ["[ranks 0-1] (Pdb) "], stopped.text

@@ -53,7 +53,8 @@ def test_ranks_at_the_same_prompt_are_asked_once_and_each_gets_the_answer(monkey
     questions.ask()
     assert asked == [("[ranks 0-1] (Pdb) ", False), ("[rank 2] name? ", False)]
     assert desk.answers == [(0, "n", ""), (1, "n", ""), (2, "ada", "")]
-    assert questions.asked and not questions.due([0, 1, 2])
+    assert questions.answered_at > 0 and not questions.waiting
+    assert not questions.due([0, 1, 2])
 
 
 def test_questions_wait_for_more_until_none_has_come_for_a_moment(monkeypatch):
@@ -110,7 +111,7 @@ def test_a_cell_that_cannot_ask_answers_at_once_with_why(monkeypatch):
     asked = _user(monkeypatch, [])
     questions = CellQuestions(desk, 2, write=lambda *a: None, refuse="a --noblock cell")
     questions.add(0, {"id": 1, "route": "r0"})
-    assert not questions.due([0, 1]) and asked == []
+    assert not questions.waiting and not questions.due([0, 1]) and asked == []
     assert desk.answers == [(0, None, "a --noblock cell")]
     # a question left when the cell ends is not left waiting
     late = CellQuestions(Desk({(1, 2): ("y? ", False)}), 2, write=lambda *a: None)
@@ -123,7 +124,7 @@ def test_a_marker_without_the_route_of_its_socket_is_not_answered():
     desk = Desk({(0, 1): ("x? ", False)})
     questions = CellQuestions(desk, 2, write=lambda *a: None)
     questions.add(0, {"id": 1})
-    assert not questions.asked and desk.answers == []
+    assert not questions.waiting and desk.answers == []
 
 
 def test_a_rank_s_route_cannot_be_guessed():

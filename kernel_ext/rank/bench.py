@@ -238,12 +238,13 @@ class StopTogether:
 
         flag = np.array([int(self.asked)], np.int32)
         request = comm.Iallreduce(MPI.IN_PLACE, flag, MPI.MAX)
-        told_at: list[float] = []
+        deadline = None
 
         def gathered() -> bool:
+            nonlocal deadline
             if self.asked:  # told while waiting: the others get AGREE_GRACE_S to come
-                told_at[:] = told_at or [time.monotonic()]
-                if time.monotonic() - told_at[0] > self.AGREE_GRACE_S:
+                deadline = deadline or time.monotonic() + self.AGREE_GRACE_S
+                if time.monotonic() > deadline:
                     raise KeyboardInterrupt
             return request.Test()
 
