@@ -10,6 +10,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
+import zmq
 from jupyter_client.manager import start_new_kernel
 
 
@@ -80,6 +81,9 @@ class Kernel:
             kwargs["env"] = {**os.environ, **env}
         self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
         self._backlog: list[dict] = []
+        self._poller = zmq.Poller()
+        for channel in (self.kc.iopub_channel, self.kc.stdin_channel):
+            self._poller.register(channel.socket, zmq.POLLIN)
 
     def run(self, code: str, timeout: float = 120, interrupt_after: float | None = None,
             answers: list[str] | None = None, answer_after: float = 0.0) -> CellRun:
@@ -100,21 +104,20 @@ class Kernel:
                 interrupt_at = None
             if time.monotonic() > deadline:
                 raise TimeoutError(f"cell did not finish in {timeout} s:\n{code}\n{run.text}")
-            try:
-                request = self.kc.get_stdin_msg(timeout=0.01)
-            except queue.Empty:
-                pass
-            else:
-                run.prompts.append(request["content"]["prompt"])
-                if answers:
-                    answer_at = time.monotonic() + answer_after
             if answer_at is not None and time.monotonic() >= answer_at:
                 self.kc.input(answers.pop(0))
                 answer_at = None
-            try:
-                msg = self.kc.get_iopub_msg(timeout=0.1)
-            except queue.Empty:
+            # one wait on both channels: a cell's time is its own, not a polling period's
+            wait_s = 0.1 if answer_at is None else max(0.0, answer_at - time.monotonic())
+            ready = dict(self._poller.poll(int(wait_s * 1000)))
+            if self.kc.stdin_channel.socket in ready:
+                request = self.kc.get_stdin_msg(timeout=0)
+                run.prompts.append(request["content"]["prompt"])
+                if answers:
+                    answer_at = time.monotonic() + answer_after
+            if self.kc.iopub_channel.socket not in ready:
                 continue
+            msg = self.kc.get_iopub_msg(timeout=0)
             if msg["parent_header"].get("msg_id") != msg_id:
                 self._backlog.append(msg)  # another cell's (a --noblock one): keep it
                 continue
