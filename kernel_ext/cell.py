@@ -35,7 +35,7 @@ from .watchdog import (
     describe,
     last_checkpoint,
 )
-from .wire import INPUT_MARKER
+from .wire import INPUT_MARKER, NO_RECORDS
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 INTERRUPT_GRACE_S = 3.0
@@ -232,7 +232,7 @@ class RunningCell:
         who they are still running; "" once every rank has begun (or ended) it."""
         if self._all_begun or now - self._sent < WAITING_NOTE_AFTER_S:
             return ""
-        begun = self.window.bounds(self.cluster.store)
+        begun = self._begun()
         waiting = [r for r in self.ranks if r not in begun and not self._singles[r].ready()]
         if not waiting:
             self._all_begun = True
@@ -316,8 +316,8 @@ class RunningCell:
         `blocking`: ranks the watchdog saw in a call an interrupt cannot reach; once only
         they are left, the restart comes after BLOCKING_GRACE_S."""
         outcome, singles, store = self.outcome, self._singles, self.cluster.store
-        queued = [r for r in ranks
-                  if r not in self.window.bounds(store) and not singles[r].ready()]
+        begun = self._begun()
+        queued = [r for r in ranks if r not in begun and not singles[r].ready()]
         if queued:
             try:
                 self.cluster.client.abort([self._msg_ids[r] for r in queued],
@@ -330,7 +330,7 @@ class RunningCell:
         blocked_deadline = time.monotonic() + BLOCKING_GRACE_S
         while True:
             # a rank that began the cell as it was taken off the queue is interrupted too
-            begun = self.window.bounds(store)
+            begun = self._begun()
             fresh = [r for r in ranks
                      if r not in interrupted and (r not in queued or r in begun)]
             if fresh:
@@ -362,6 +362,12 @@ class RunningCell:
         self.cluster.restart()
         self._generation = self.cluster.generation  # this cell's own restart: it ends now
 
+    def _begun(self) -> set[int]:
+        """The ranks that began the cell: an engine echoes a cell's code as it begins it
+        (ipyparallel keeps that in the request's metadata), at once, where the rank's
+        start marker waits for its next batch of records."""
+        return {r for r, md in self._metadata.items() if md.get("execute_input") is not None}
+
     def _interrupt(self, ranks: list[int]) -> None:
         try:
             self.cluster.client.send_signal("SIGINT", targets=self.cluster.engines(ranks),
@@ -379,8 +385,8 @@ class RunningCell:
         self.pump(final=True)
         self.questions.close("the cell ended before the notebook asked")
         engines_died = not stopped and _engines_died(self._singles)
-        self.views.finish(self.ranks if ar.ready() and not outcome.dead and not engines_died
-                          and not stopped else None)
+        self.views.finish(self._records_owed() if ar.ready() and not outcome.dead
+                          and not engines_died and not stopped else None)
         note = self.relay.cap_note()
         if note and not self.options.quiet:
             self.write("stderr", note + "\n")
@@ -395,6 +401,11 @@ class RunningCell:
             self._collect()
         _finish_per_rank(self.by_rank, outcome)
         return outcome
+
+    def _records_owed(self) -> list[int]:
+        """The ranks whose last records of the cell the final drawing waits for: all but
+        those whose reply says the cell queued none (wire.NO_RECORDS)."""
+        return [r for r, single in self._singles.items() if not _no_records(single)]
 
     def _name_the_dead(self) -> None:
         """ipyparallel noticed an engine gone before the watchdog did: the watchdog names
@@ -427,6 +438,20 @@ class RunningCell:
                 outcome.errors[r] = _error_text(result)
             elif result.metadata.get("execute_result"):
                 outcome.results[r] = result.metadata["execute_result"].get("data", {})
+
+
+def _no_records(single) -> bool:
+    """The rank's reply to the cell carries wire.NO_RECORDS in its payload. ipyparallel
+    keeps a successful reply's content on the ExecuteReply it returns; a failed cell's
+    reply is an error (and its rank sent its records at once)."""
+    try:
+        reply = single.get(0)
+        if isinstance(reply, list):  # a one-engine view still answers with a list
+            reply = reply[0]
+        payload = reply._content["payload"]
+    except Exception:  # noqa: BLE001 - a failed cell, or an ipyparallel that keeps no content
+        return False
+    return any(item.get("source") == NO_RECORDS for item in payload)
 
 
 def _engines_died(singles: dict) -> bool:

@@ -211,6 +211,16 @@ def decode(raw: bytes) -> list:
 CELL_LABEL_PREFIX = "mpilab:"
 CELL_LABEL = CELL_LABEL_PREFIX + "In[{}]"  # the notebook's count
 
+# -- a cell's end: whether the notebook waits for the rank's records -------------------------
+# A rank whose cell queued no records of its own (beyond its start and end markers and
+# heartbeats) and succeeded puts {"source": NO_RECORDS} in the payload of the cell's
+# execute reply and leaves those markers for the next batch: the cell's final drawing has
+# nothing of the rank's to wait for. Any other cell sends its records at once and the
+# notebook waits for its end marker. Waking the record thread and the notebook's receiver
+# twice per cell was most of what a trivial `%%ranks` cell cost above `%%px`; a message
+# of its own (ipyparallel's publish_data) cost as much again.
+NO_RECORDS = "mpilab.no-records"
+
 
 # -- input() on a rank: the question, its marker among the rank's outputs, the answer ------
 # The question travels on its own socket (a rank's DEALER to the notebook's ROUTER, where

@@ -115,8 +115,10 @@ class FakeCluster:
         pass
 
     def begin(self, ar: FakeCellResult, t: float) -> None:
-        """Every rank begins the cell at epoch time t (their cell-start events)."""
+        """Every rank begins the cell at epoch time t: its engine echoes the code (into
+        the request's metadata) and the rank records a cell-start event."""
         for r, msg_id in enumerate(ar.msg_ids):
+            ar.metadata[r]["execute_input"] = "cell"
             self.store.add({"k": "event", "r": r, "t": t, "what": "cell-start", "cell": 3,
                             "msg": msg_id})
 

@@ -69,6 +69,36 @@ def test_a_heartbeat_has_the_fields_of_the_schema():
         assert isinstance(beat[name], types), name
 
 
+def test_a_cell_queued_records_unless_only_its_start_and_heartbeats_are_still_queued():
+    """What `cell_queued` says decides whether the notebook waits for a cell's records."""
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    agent = Agent(rank=0, world_size=2, address=f"tcp://127.0.0.1:{port}")
+    try:
+        agent.begin_cell(what="cell-start", cell=1, msg="m1")
+        agent.beat()
+        assert not agent.cell_queued()  # the thread is not running: nothing left
+        agent.span("allreduce", T0, T0 + 0.001, 4096, 1)  # a collective's row
+        assert agent.cell_queued()
+        agent.begin_cell(what="cell-start", cell=2, msg="m2")
+        agent.emit("log", step=0, values={"loss": 1.0})
+        assert agent.cell_queued()
+        agent.begin_cell(what="cell-start", cell=3, msg="m3")
+        agent.start()
+        agent.flush()
+        assert pull.poll(5000)  # the start marker left: what else did may not be in
+        assert agent.cell_queued()
+        agent.stop()
+        agent.begin_cell(what="cell-start", cell=4, msg="m4")
+        for _ in range(agent._queue.maxlen):  # a full queue drops its oldest
+            agent.beat()
+        assert agent.cell_queued()
+    finally:
+        agent.stop()
+        pull.close(linger=0)
+
+
 @pytest.mark.parametrize("record", [
     None, [], "step", 42,
     with_(GOOD["step"], k="exec"),  # unknown kind

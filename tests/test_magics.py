@@ -701,6 +701,35 @@ def test_status_lists_every_rank(ranks):
     assert all("idle" in ln for ln in lines[1:])
 
 
+OWED_SPY = """
+import mpilab.cell as _cell_module
+_owed = []
+_records_owed = _cell_module.RunningCell._records_owed
+_cell_module.RunningCell._records_owed = lambda cell: _owed.append(_records_owed(cell)) or _owed[-1]
+"""
+
+
+def test_a_cell_that_records_nothing_leaves_nothing_to_wait_for_and_a_log_is_drawn(ranks):
+    """A rank whose cell queued no records says so in its reply and sends its cell's
+    markers with its next batch: a trivial cell wakes no record thread on the ranks and no
+    receiver in the notebook (most of what it cost above `%%px`). A cell that logs sends
+    its records at once, and its final drawing has its last value."""
+    assert ranks.run(OWED_SPY).ok
+    try:
+        assert ranks.run("%%ranks\nx = 1").ok
+        assert ranks.run("%%ranks\nraise ValueError('no')").error
+        run = ranks.run("%%ranks\nfor i in range(3):\n    mpilab.log(loss=7.0 + i)")
+        assert run.ok, run.text
+        owed = ranks.run("print(_owed[-3:])").stdout.strip()
+        assert owed == "[[], [0, 1], [0, 1]]", owed
+        drawn = [o["content"]["data"]["text/plain"] for o in run.outputs
+                 if o["type"] in ("display_data", "update_display_data")
+                 and "mpilab dashboard" in o["content"]["data"].get("text/plain", "")]
+        assert drawn and "loss 9" in drawn[-1], drawn
+    finally:
+        assert ranks.run("_cell_module.RunningCell._records_owed = _records_owed").ok
+
+
 def test_bench_shows_table_and_plot(ranks):
     run = ranks.run("%mpilab bench allreduce --sizes 4K:16K --backends mpi,mpilab", timeout=120)
     assert run.ok, run.text

@@ -70,6 +70,12 @@ class Agent:
         self._queue: collections.deque = collections.deque(maxlen=MAX_QUEUED_RECORDS)
         self._wake = threading.Event()
         self._stop = threading.Event()
+        # taking records off the queue, counted: what a cell queued is known to be
+        # still queued while the count stands (`cell_queued`)
+        self._taking = threading.Lock()
+        self._takes = 0
+        self._cell_start: dict | None = None  # the running cell's start marker, queued
+        self._cell_takes = 0  # the count when it was queued
         self._thread: threading.Thread | None = None
         self.device_memory = lambda: 0
 
@@ -82,6 +88,33 @@ class Agent:
         fields["r"] = self.rank
         fields.setdefault("t", time.time())
         self._queue.append(fields)  # sent within SEND_INTERVAL_S by the agent thread
+
+    def begin_cell(self, **fields) -> None:
+        """Queue a cell's start marker (an "event" record); what is queued after it is
+        the cell's own. It leaves with the next batch: a cell's records follow it there,
+        and the notebook learns that a rank began a cell from ipyparallel's own message."""
+        if self.address is None:
+            return
+        fields.update(k="event", r=self.rank, t=time.time())
+        with self._taking:
+            self._queue.append(fields)
+            self._cell_start, self._cell_takes = fields, self._takes
+
+    def cell_queued(self) -> bool:
+        """Whether the running cell queued records of its own since `begin_cell`
+        (heartbeats aside), or may have: some of them already left."""
+        if self.address is None:
+            return False
+        with self._taking:
+            if self._takes != self._cell_takes:
+                return True
+            start = self._cell_start
+            for item in reversed(self._queue):
+                if item is start:
+                    return False
+                if type(item) is not dict or item["k"] != HEARTBEAT:
+                    return True
+            return True  # its start marker was dropped from a full queue
 
     def beat(self) -> None:
         """Queue a heartbeat now (the thread sends one every HEARTBEAT_INTERVAL_S): for a
@@ -181,8 +214,10 @@ class Agent:
                 while self._queue:
                     # one message per batch: each message costs wake-ups and system
                     # calls in this process, the ZMQ thread and the notebook kernel
-                    taken = [self._queue.popleft()
-                             for _ in range(min(TAKEN_RECORDS, len(self._queue)))]
+                    with self._taking:
+                        taken = [self._queue.popleft()
+                                 for _ in range(min(TAKEN_RECORDS, len(self._queue)))]
+                        self._takes += 1
                     try:
                         for message in encode(self.rank, taken):
                             sock.send(message, zmq.NOBLOCK)

@@ -16,7 +16,7 @@ import threading
 import traceback
 import warnings
 
-from ..wire import CELL_LABEL, CELL_LABEL_PREFIX
+from ..wire import CELL_LABEL, CELL_LABEL_PREFIX, NO_RECORDS
 
 _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
 
@@ -141,7 +141,10 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     state = agent.state
     asker = stdin.install(shell.kernel, input_address, agent)
 
+    mpilab_cell = False  # the running cell is one of mpilab's (its request's label says)
+
     def pre_run(info=None):
+        nonlocal mpilab_cell
         state.cell += 1
         state.phase = "running"
         # ipykernel installs its own SIGINT handler for each cell; ours also aborts the
@@ -152,24 +155,28 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         state.request = parent.get("header", {}).get("msg_id", "")
         # the notebook's In[n] for this cell (its request's label): tracebacks name it
         request_label = parent.get("metadata", {}).get("label") or ""
+        mpilab_cell = request_label.startswith(CELL_LABEL_PREFIX)
         # input() asks the notebook in mpilab's cells only (`%%px` cannot answer it)
         if asker is not None:
-            asker.answered = request_label.startswith(CELL_LABEL_PREFIX)
+            asker.answered = mpilab_cell
         label = _CELL_LABEL.fullmatch(request_label)
         if label:  # IPython counted this cell before running it
             _notebook_count[shell.execution_count - 1] = int(label.group(1))
-        agent.emit("event", what="cell-start", cell=state.cell, msg=state.request)
-        agent.flush()  # at once: stopping a queued cell asks which ranks began it
+        agent.begin_cell(what="cell-start", cell=state.cell, msg=state.request)
 
     def post_run(result=None):
         state.phase = "idle"
         if result is not None and _succeeded_exit(result.error_in_exec):
             result.error_in_exec = None  # sys.exit(0) ended the cell as it ends a script
-        # the notebook waits for this marker, so a cell's last records make its plots,
-        # and `%mpilab status` right after shows the rank idle
         agent.beat()
+        queued = agent.cell_queued()
         agent.emit("event", what="cell-end", cell=state.cell, msg=state.request)
-        agent.flush()
+        if queued or not mpilab_cell or (result is not None and not result.success):
+            # the notebook waits for this marker, so a cell's last records make its
+            # plots, and `%mpilab status` right after shows the rank idle
+            agent.flush()
+        else:  # nothing to wait for: the markers go with the next batch (wire.NO_RECORDS)
+            shell.payload_manager.write_payload({"source": NO_RECORDS})
 
     for event, hook in (("pre_run_cell", pre_run), ("post_run_cell", post_run)):
         shell.events.register(event, hook)
