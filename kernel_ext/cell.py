@@ -241,10 +241,13 @@ class RunningCell:
                 "(the stop button takes it off their queue)")
 
     # -- watch ----------------------------------------------------------------------------
-    def watch(self) -> None:
+    def watch(self, interrupted: bool = False) -> None:
         """Pump until every rank has finished the cell, or end it first: on the
-        watchdog's verdict, once --timeout has passed, or on Ctrl-C."""
+        watchdog's verdict, once --timeout has passed, or on Ctrl-C (`interrupted`: it
+        came as the cell was sent)."""
         try:
+            if interrupted:
+                raise KeyboardInterrupt
             while not self.ar.wait(TICK_S):
                 if self.stopped:
                     self.outcome.notes.append(STOPPED_NOTE)

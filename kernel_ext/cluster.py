@@ -8,13 +8,17 @@ and the address they reach the notebook at are worked out in `placement.py`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -488,6 +492,37 @@ def local_processes(ranks: list[dict]) -> dict:
             except psutil.Error:
                 pass
     return handles
+
+
+@dataclass
+class HeldInterrupt:
+    """Whether Ctrl-C came while `interrupts_held` held it."""
+
+    asked: bool = False
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[HeldInterrupt]:
+    """Ctrl-C while a request is being sent to the ranks is noted, not raised, until the
+    request has reached every rank: ipyparallel sends one message per engine, and a
+    KeyboardInterrupt between two of them would leave the request (a collective) on
+    some ranks only, waiting for the others for good, with no AsyncResult to take it
+    back by. The caller looks at `asked` once it holds the AsyncResult and stops the
+    request on every rank. Outside the main thread (a --noblock cell's) signals never
+    arrive, and nothing is held."""
+    held = HeldInterrupt()
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+
+    def note(signum, frame) -> None:
+        held.asked = True
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield held
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def engine_alive(proc) -> bool:

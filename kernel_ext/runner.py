@@ -26,7 +26,7 @@ from .cell import (
     is_interrupt,
 )
 from .cell_window import CellWindow
-from .cluster import ClusterError, RankCluster
+from .cluster import ClusterError, RankCluster, interrupts_held
 from .live import LiveViews
 from .selection import parse_ranks, rank_label
 from .wire import CELL_LABEL, CELL_LABEL_PREFIX
@@ -89,15 +89,17 @@ class CellRunner:
         label = cell_label()
         try:
             # the notebook's In[n] travels with the cell, so that the ranks' tracebacks
-            # say "Cell In[n]" with the number the notebook shows (mpilab.rank.engine)
-            ar = self.cluster.client[engines].execute(code, silent=False, block=False,
-                                                      label=label or CELL_LABEL_PREFIX)
+            # say "Cell In[n]" with the number the notebook shows (mpilab.rank.engine);
+            # Ctrl-C as it is sent stops the cell once every rank has it
+            with interrupts_held() as held:
+                ar = self.cluster.client[engines].execute(code, silent=False, block=False,
+                                                          label=label or CELL_LABEL_PREFIX)
         except Exception as e:  # noqa: BLE001 - e.g. engines gone: one line, not a traceback
             raise ClusterError(f"the ranks cannot take the cell ({e}): `%mpilab restart` "
                                "brings back a full cluster") from None
         ahead = self.running_noblock()
         if options.block:
-            outcome = self._follow(ar, ranks, options, label, ahead)
+            outcome = self._follow(ar, ranks, options, label, ahead, held.asked)
             self._report(outcome, options)
             return outcome
         # --noblock: follow on a thread that carries this cell's context, so its output
@@ -105,7 +107,7 @@ class CellRunner:
         context = contextvars.copy_context()
 
         def follow_in_background():
-            outcome = self._follow(ar, ranks, options, label, ahead)
+            outcome = self._follow(ar, ranks, options, label, ahead, held.asked)
             try:
                 self._report(outcome, options)
             except RanksError as e:
@@ -128,14 +130,14 @@ class CellRunner:
         self._noblock = running
         return [a for a, _, _ in running]
 
-    def _follow(self, ar, ranks: list[int], options: RunOptions,
-                label: str | None, ahead: list[Ahead]) -> CellOutcome:
+    def _follow(self, ar, ranks: list[int], options: RunOptions, label: str | None,
+                ahead: list[Ahead], interrupted: bool = False) -> CellOutcome:
         """The cell from its start on the ranks to its outcome, remembered for
-        `%mpilab dashboard`."""
+        `%mpilab dashboard`; `interrupted`: Ctrl-C came as it was sent."""
         cell = RunningCell(self.cluster, ar, ranks, options, self.write, ahead)
         self.last_views = cell.views
         self.recent_runs.append(RecentRun(shown_label(label), cell.window))
-        cell.watch()
+        cell.watch(interrupted)
         return cell.finish()
 
     def _report(self, outcome: CellOutcome, options: RunOptions) -> None:

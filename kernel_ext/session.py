@@ -5,16 +5,29 @@ The magics call this; plain Python can too (``Session.instance().start(ClusterCo
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .cell import ABORT_SETTLE_S, WAITING_NOTE_AFTER_S, RunOptions, waiting_text
-from .cluster import ClusterConfig, ClusterError, RankCluster, StartReport, engine_alive
+from .cluster import (
+    ClusterConfig,
+    ClusterError,
+    RankCluster,
+    StartReport,
+    engine_alive,
+    interrupts_held,
+)
 from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
 from .wire import parse_backends, parse_sizes
 
+if TYPE_CHECKING:
+    from ipyparallel import AsyncResult
+
+WITHDRAW_S = 5.0  # how long Ctrl-C on a request keeps interrupting the ranks still in it
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
 WARM_WIDGETS_WAIT_S = 10.0  # at most this long after the ranks are ready
 
@@ -93,8 +106,9 @@ class Session:
         self.cluster.check_usable()
         ranks = list(range(self.cluster.world_size))
         try:
-            ar = self.cluster.client[self.cluster.engines(ranks)].push(values, block=False)
-            self._answer(ar, ranks, "push", got="got the values")
+            view = self.cluster.client[self.cluster.engines(ranks)]
+            self._answer(lambda: view.push(values, block=False), ranks, "push",
+                         got="got the values")
         except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - what could not be sent, as one line
@@ -108,7 +122,8 @@ class Session:
             parse_ranks(str(rank), self.cluster.world_size)
         engines = self.cluster.engines(ranks)
         try:
-            values = self._answer(client[engines].pull(name, block=False), ranks, "pull")
+            values = self._answer(lambda: client[engines].pull(name, block=False), ranks,
+                                  "pull")
         except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks' errors, as one line
@@ -167,7 +182,7 @@ class Session:
                     progress(done + 1, len(sizes_list), size)
             ceiling = self._on_ranks(memcpy_bandwidth, max(64 << 20, max(sizes_list)),
                                      ranks=[0])[0]
-        except KeyboardInterrupt:  # between sizes, or as one is sent (the ranks finish it)
+        except KeyboardInterrupt:  # between sizes: no rank runs a part of the bench then
             raise ClusterError("bench interrupted") from None
         return notes + rows, ceiling
 
@@ -175,9 +190,10 @@ class Session:
         """`function(*args)` on the ranks (all, or `ranks`), their results in rank order;
         the stop button interrupts them, their errors become one line."""
         ranks = list(range(self.cluster.world_size)) if ranks is None else ranks
-        ar = self.cluster.client[self.cluster.engines(ranks)].apply_async(function, *args)
+        view = self.cluster.client[self.cluster.engines(ranks)]
         try:
-            return self._answer(ar, ranks, "bench", interrupt=True)
+            return self._answer(lambda: view.apply_async(function, *args), ranks, "bench",
+                                interrupt=True)
         except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks' ValueError, as one line
@@ -186,15 +202,21 @@ class Session:
             said = _remote_message(e)  # a ValueError is the bench's own message to the user
             raise ClusterError(f"bench: {said.removeprefix('ValueError: ')}") from None
 
-    def _answer(self, ar, ranks: list[int], what: str, interrupt: bool = False,
-                got: str | None = None):
-        """The ranks' answers to a request sent them (`ar`: ipyparallel's AsyncResult on
-        `ranks`, one engine each). A request waits on a rank behind a --noblock cell
-        running there: after WAITING_NOTE_AFTER_S it says which. Ctrl-C takes it off the
-        queues of the ranks that have not begun it and (`interrupt`) interrupts it where it
-        runs, a running --noblock cell never; then one line, which names the ranks that
-        finished it (`got`: what they have, when that matters)."""
+    def _answer(self, send: Callable[[], AsyncResult], ranks: list[int], what: str,
+                interrupt: bool = False, got: str | None = None):
+        """The ranks' answers to a request `send()` sends them (it returns ipyparallel's
+        AsyncResult on `ranks`, one engine each; Ctrl-C waits until every rank has it).
+        A request waits on a rank behind a --noblock cell running there: after
+        WAITING_NOTE_AFTER_S it says which. Ctrl-C takes it off the queues of the ranks
+        that have not begun it and (`interrupt`) interrupts it where it runs, a running
+        --noblock cell never; then one line, which names the ranks that finished it
+        (`got`: what they have, when that matters)."""
+        ar = None
         try:
+            with interrupts_held() as held:
+                ar = send()
+            if held.asked:
+                raise KeyboardInterrupt
             if not ar.wait(WAITING_NOTE_AFTER_S):
                 ahead = self.runner.running_noblock()
                 busy = {r for a in ahead for r in a.ranks}
@@ -206,7 +228,7 @@ class Session:
                                       "to stop waiting)\n")
             return ar.get()
         except KeyboardInterrupt:
-            done = self._withdraw(ar, ranks, interrupt)
+            done = [] if ar is None else self._withdraw(ar, ranks, interrupt)
             told = ""
             if got is not None:
                 told = (f": {rank_label(done)} {got}, the others not" if done else
@@ -215,15 +237,24 @@ class Session:
 
     def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> list[int]:
         """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`);
-        the ranks that finished it."""
+        the ranks that finished it. A rank may begin the request just after the abort
+        and the signal reached it (an engine drops only requests it already holds, and
+        ignores SIGINT while idle): until WITHDRAW_S has passed, a rank still running it
+        is interrupted again (a bench's ranks then stop together, or alone after
+        StopTogether.AGREE_GRACE_S)."""
         client = self.cluster.client
         busy = {r for a in self.runner.running_noblock() for r in a.ranks}
+        deadline = time.monotonic() + WITHDRAW_S
         try:
             client.abort(ar.msg_ids, targets=self.cluster.engines(ranks), block=False)
             running = [r for r in ranks if r not in busy]
-            if interrupt and running:
+            while interrupt and running:
                 client.send_signal("SIGINT", targets=self.cluster.engines(running),
                                    block=False)
+                if ar.wait(ABORT_SETTLE_S) or time.monotonic() > deadline:
+                    break
+                running = [r for r, single in zip(ranks, ar.split())
+                           if r not in busy and not single.ready()]
         except Exception:  # noqa: BLE001 - a dead engine is told by the next command
             pass
         ar.wait(ABORT_SETTLE_S)
@@ -235,7 +266,6 @@ class Session:
         on two ranks of a 2-core node), then the table and the bandwidth plot with the
         ceiling. A backend that cannot run is named once, in the table (not in the plot
         too)."""
-        import time
         import uuid
 
         from IPython.display import display, update_display
@@ -269,7 +299,6 @@ class Session:
         push, have none), naming its cell. It follows the run's records until they stop
         for a minute (a later run has its own under its cell)."""
         import threading
-        import time
 
         from IPython.display import display
 

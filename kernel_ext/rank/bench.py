@@ -112,8 +112,11 @@ def check_memory(op: str, sizes: list[int]) -> None:
     largest = max(effective_size(op, size, ctx.world_size) for size in sizes)
     need = BUFFERS_PER_RANK * largest * ctx.local_size
     available = available_memory()
-    short = [s for s in ctx.comm.allgather(
-        (ctx.host, available) if available is not None and need > available else None) if s]
+    from .collectives import allgather_json  # interruptible: it comes before StopTogether
+
+    short = [s for s in allgather_json(
+        [ctx.host, available] if available is not None and need > available else None,
+        "bench memory check") if s]
     if short:
         host, available = short[0]
         fits = available // (BUFFERS_PER_RANK * ctx.local_size)

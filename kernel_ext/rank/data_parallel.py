@@ -42,8 +42,6 @@ backends emit one ``step`` record per synchronised step.
 from __future__ import annotations
 
 import contextlib
-import itertools
-import json
 import queue
 import threading
 import time
@@ -61,7 +59,6 @@ from .compression import CompressedBuckets, CompressedGradSync, Method
 from .compression import resolve as resolve_compression
 from .context import context
 from .host_memory import kept_zeros
-from .waiting import wait_interruptibly
 
 PATHS = ("auto", "mpi", "torch")  # DataParallel's backend argument: how gradients travel
 _WIRE_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -554,24 +551,10 @@ def _wrap_ddp(model: nn.Module, cfg: DataParallelConfig, device: torch.device,
 
 
 # ------------------------------------------------------------------------------- common
-def _allgather_json(obj: Any) -> list:
-    """Every rank's `obj` (plain data), through interruptible collectives (no pickle)."""
-    from mpi4py import MPI
-
-    data = json.dumps(obj).encode()
-    sizes = collectives.allgather(torch.tensor([len(data)], dtype=torch.int64)).view(-1).tolist()
-    displs = [0, *itertools.accumulate(sizes)][:-1]
-    recv = bytearray(sum(sizes))
-    with waiting.collective("allgather", len(data), "parameter list"):
-        wait_interruptibly(collectives.private_comm().Iallgatherv(
-            [data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
-    return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
-
-
 def check_same_parameters(model: nn.Module, wrapper: str = "DataParallel") -> None:
     """Every rank must hold the same parameters: name the first difference and the ranks."""
     mine = [[name, list(p.shape), str(p.dtype)] for name, p in model.named_parameters()]
-    everyone = _allgather_json(mine)
+    everyone = collectives.allgather_json(mine, "parameter list")
     reference = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         if theirs == reference:
