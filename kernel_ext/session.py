@@ -27,7 +27,6 @@ from .wire import parse_backends, parse_sizes
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult
 
-WITHDRAW_S = 5.0  # how long Ctrl-C on a request keeps interrupting the ranks still in it
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
 WARM_WIDGETS_WAIT_S = 10.0  # at most this long after the ranks are ready
 
@@ -237,24 +236,15 @@ class Session:
 
     def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> list[int]:
         """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`);
-        the ranks that finished it. A rank may begin the request just after the abort
-        and the signal reached it (an engine drops only requests it already holds, and
-        ignores SIGINT while idle): until WITHDRAW_S has passed, a rank still running it
-        is interrupted again (a bench's ranks then stop together, or alone after
-        StopTogether.AGREE_GRACE_S)."""
+        the ranks that finished it."""
         client = self.cluster.client
         busy = {r for a in self.runner.running_noblock() for r in a.ranks}
-        deadline = time.monotonic() + WITHDRAW_S
         try:
             client.abort(ar.msg_ids, targets=self.cluster.engines(ranks), block=False)
             running = [r for r in ranks if r not in busy]
-            while interrupt and running:
+            if interrupt and running:
                 client.send_signal("SIGINT", targets=self.cluster.engines(running),
                                    block=False)
-                if ar.wait(ABORT_SETTLE_S) or time.monotonic() > deadline:
-                    break
-                running = [r for r, single in zip(ranks, ar.split())
-                           if r not in busy and not single.ready()]
         except Exception:  # noqa: BLE001 - a dead engine is told by the next command
             pass
         ar.wait(ABORT_SETTLE_S)
