@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ipyparallel.error import TaskAborted
 
 from .cell_window import CellWindow
-from .cluster import RankCluster
+from .cluster import RankCluster, answered
 from .live import LiveViews, TextInPlace
 from .rank_input import CellQuestions
 from .relay import (
@@ -321,10 +321,12 @@ class RunningCell:
         outcome, singles, store = self.outcome, self._singles, self.cluster.store
         begun = self._begun()
         queued = [r for r in ranks if r not in begun and not singles[r].ready()]
+        aborted = None  # the queued ranks' answers to the abort, while some are owed
         if queued:
             try:
-                self.cluster.client.abort([self._msg_ids[r] for r in queued],
-                                          targets=self.cluster.engines(queued), block=False)
+                aborted = self.cluster.client.abort(
+                    [self._msg_ids[r] for r in queued], targets=self.cluster.engines(queued),
+                    block=False)
             except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
                 pass
         interrupted: list[int] = []
@@ -332,7 +334,11 @@ class RunningCell:
         deadline = time.monotonic() + INTERRUPT_GRACE_S
         blocked_deadline = time.monotonic() + BLOCKING_GRACE_S
         while True:
-            # a rank that began the cell as it was taken off the queue is interrupted too
+            # a rank that began the cell as it was taken off the queue is interrupted too:
+            # until it has answered the abort (relayed by its nanny, so it may come late),
+            # and for ABORT_SETTLE_S after, in which the echo of its beginning can arrive
+            if aborted is not None and aborted.done():
+                aborted, settled = None, max(settled, time.monotonic() + ABORT_SETTLE_S)
             begun = self._begun()
             fresh = [r for r in ranks
                      if r not in interrupted and (r not in queued or r in begun)]
@@ -342,15 +348,19 @@ class RunningCell:
             pending = [r for r in interrupted if not singles[r].ready()]
             done = not pending
             now = time.monotonic()
-            if (done and now >= settled) or now > deadline or \
+            if (done and now >= settled and aborted is None) or now > deadline or \
                     (pending and now > blocked_deadline and set(pending) <= set(blocking)):
                 break
             time.sleep(TICK_S)
-        outcome.dropped = [r for r in queued if r not in interrupted]
-        if outcome.dropped:
+        outcome.dropped = dropped = [r for r in queued if r not in interrupted]
+        if dropped and any(set(a.ranks) & set(dropped) for a in self._ahead):
             outcome.notes.append(
-                f"{waiting_text(outcome.dropped, self._ahead)}, not interrupted; this cell "
+                f"{waiting_text(dropped, self._ahead)}, not interrupted; this cell "
                 "had not begun there and was taken off their queue")
+        elif dropped:  # stopped as it was sent: nothing ran there before it
+            outcome.notes.append(
+                f"{rank_label(dropped)} had not begun this cell: it was taken off "
+                f"{'its' if len(dropped) == 1 else 'their'} queue")
         if not interrupted or self.stopped or (done and self.cluster.recover()):
             return
         stuck = [r for r in interrupted if not singles[r].ready()]
@@ -372,9 +382,11 @@ class RunningCell:
         return {r for r, md in self._metadata.items() if md.get("execute_input") is not None}
 
     def _interrupt(self, ranks: list[int]) -> None:
+        """SIGINT to `ranks`, through their nannies; back once it has reached them, so
+        the recovery sent after it is not what it interrupts."""
         try:
-            self.cluster.client.send_signal("SIGINT", targets=self.cluster.engines(ranks),
-                                            block=False)
+            answered(self.cluster.client.send_signal(
+                "SIGINT", targets=self.cluster.engines(ranks), block=False))
         except Exception:  # noqa: BLE001 - a dead engine cannot be signalled; reported later
             pass
 

@@ -494,6 +494,25 @@ def local_processes(ranks: list[dict]) -> dict:
     return handles
 
 
+# how long the notebook waits for the engines' answers to a control request (an abort, a
+# signal): a live engine, or its nanny, answers in milliseconds
+CONTROL_ANSWER_S = 2.0
+
+
+def answered(sent, timeout: float = CONTROL_ANSWER_S) -> None:
+    """Wait, at most `timeout`, for the engines' answers to a control request sent with
+    block=False (`sent`: ipyparallel's future of them). An abort is in force on an engine
+    once it answers; a signal has reached the rank once its nanny answers, so a request
+    sent after that cannot be the one it interrupts. A dead engine never answers: the
+    wait ends at the timeout and the caller goes on."""
+    if sent is None:
+        return
+    try:
+        sent.result(timeout)
+    except Exception:  # noqa: BLE001 - a timeout, or an engine gone: the caller goes on
+        pass
+
+
 @dataclass
 class HeldInterrupt:
     """Whether Ctrl-C came while `interrupts_held` held it."""

@@ -16,6 +16,7 @@ from .cluster import (
     ClusterError,
     RankCluster,
     StartReport,
+    answered,
     engine_alive,
     interrupts_held,
 )
@@ -227,29 +228,56 @@ class Session:
                                       "to stop waiting)\n")
             return ar.get()
         except KeyboardInterrupt:
-            done = [] if ar is None else self._withdraw(ar, ranks, interrupt)
+            done, restarted = [], ""
+            if ar is not None:
+                done, restarted = self._withdraw(ar, ranks, interrupt)
             told = ""
             if got is not None:
                 told = (f": {rank_label(done)} {got}, the others not" if done else
                         f": no rank {got}")
-            raise ClusterError(f"{what} interrupted{told}") from None
+            raise ClusterError(f"{what} interrupted{told}{restarted}") from None
 
-    def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> list[int]:
-        """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`);
-        the ranks that finished it."""
+    def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> tuple[list[int], str]:
+        """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`),
+        the ranks' collectives back in step; the ranks that finished it, and what was
+        done to the ranks beyond that (a restart: `_back_in_step`)."""
         client = self.cluster.client
         busy = {r for a in self.runner.running_noblock() for r in a.ranks}
+        running = [r for r in ranks if r not in busy]
         try:
-            client.abort(ar.msg_ids, targets=self.cluster.engines(ranks), block=False)
-            running = [r for r in ranks if r not in busy]
-            if interrupt and running:
-                client.send_signal("SIGINT", targets=self.cluster.engines(running),
+            aborted = client.abort(ar.msg_ids, targets=self.cluster.engines(ranks),
                                    block=False)
+            if interrupt and running:
+                # A rank's nanny signals it at once, where the abort goes on to the rank's
+                # own control thread: a rank that began the request between the two would
+                # run it uninterrupted (an idle engine ignores SIGINT), alone in its
+                # collectives. So the signal goes once every rank has the abort: from
+                # then on a rank either drops the request or is running it.
+                answered(aborted)
+                answered(client.send_signal("SIGINT", targets=self.cluster.engines(running),
+                                            block=False))
         except Exception:  # noqa: BLE001 - a dead engine is told by the next command
             pass
         ar.wait(ABORT_SETTLE_S)
-        return [r for r, single in zip(ranks, ar.split())
+        done = [r for r, single in zip(ranks, ar.split())
                 if single.ready() and single.successful()]
+        if interrupt and running and not busy and len(done) < len(ranks):
+            return done, self._back_in_step()
+        return done, ""
+
+    def _back_in_step(self) -> str:
+        """After ranks were interrupted in a request: mpilab's communicators made again on
+        every rank together, as after an interrupted cell. A rank stopped inside a
+        collective leaves its peers' part of it pending, and one that dropped the request
+        never made its part: the next collective would pair with that one. A rank that
+        cannot take part (in a call no interrupt reaches) means a restart. A second
+        Ctrl-C meanwhile is held: the recovery must reach every rank."""
+        with interrupts_held():
+            if self.cluster.recover():
+                return ""
+            self.cluster.restart()
+        return ("; the ranks did not come back in step (one was in a call no interrupt "
+                "reaches) and were restarted: their state was lost")
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
         """`%mpilab bench`: a progress line while it measures (~15 s for the full range

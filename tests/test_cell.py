@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -89,6 +90,7 @@ class FakeCluster:
         self.generation = 1  # which ranks these are (RankCluster.generation)
         self.input_desk = None  # where the ranks' input() would ask (none here)
         self.on_signal = lambda rank: None
+        self.abort_answer: Future | None = None
 
     def engines(self, ranks):
         return list(ranks)
@@ -101,8 +103,15 @@ class FakeCluster:
             self.signalled.append(rank)
             self.on_signal(rank)
 
-    def abort(self, msg_ids, targets, block: bool) -> None:
+    def abort(self, msg_ids, targets, block: bool) -> Future:
+        """The engines' answers to the abort come as `abort_answer` completes (at once
+        unless a test sets one)."""
         self.aborted.extend(msg_ids)
+        if self.abort_answer is None:
+            answered: Future = Future()
+            answered.set_result([])
+            return answered
+        return self.abort_answer
 
     def recover(self) -> bool:
         return True
@@ -243,6 +252,58 @@ def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(sh
     assert report_text(outcome, None) == (
         "mpilab: ranks 0-1 are still running the --noblock cell In[4], not interrupted; this "
         "cell had not begun there and was taken off their queue")
+
+
+def test_ctrl_c_as_a_cell_is_sent_takes_it_off_the_queues_of_the_ranks_yet_to_begin_it(
+        shown):
+    """No --noblock cell ahead: the note says the ranks had not begun it, not that an
+    earlier cell runs there."""
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cell = running(cluster, ar, sink)
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    ar.on_wait = ctrl_c
+    cell.watch()
+    for single in ar.singles:  # the engines answer the abort
+        single.end(TaskAborted())
+    outcome = cell.finish()
+    assert outcome.interrupted and not cluster.signalled and outcome.dropped == [0, 1]
+    assert report_text(outcome, None) == (
+        "mpilab: ranks 0-1 had not begun this cell: it was taken off their queue")
+
+
+def test_a_rank_that_begins_the_cell_before_it_answers_the_abort_is_interrupted(
+        shown, monkeypatch):
+    """Ctrl-C as rank 1 has not begun the cell yet: it is taken off rank 1's queue, but
+    its nanny relays the abort, so rank 1 may still begin the cell late, after
+    ABORT_SETTLE_S. Until rank 1 has answered the abort the cell watches for that, and
+    interrupts it: left running, it would wait alone in the cell's collectives."""
+    monkeypatch.setattr(cell_module, "ABORT_SETTLE_S", 0.05)
+    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
+    cluster.abort_answer = Future()
+    cluster.on_signal = lambda r: ar.singles[r].end(RankError(STOPPED, "KeyboardInterrupt"))
+    cell = running(cluster, ar, sink)
+    ar.metadata[0]["execute_input"] = "cell"  # rank 0 began the cell, rank 1 not yet
+
+    def ctrl_c():
+        raise KeyboardInterrupt
+
+    def rank_1_begins_late():
+        time.sleep(0.4)
+        ar.metadata[1]["execute_input"] = "cell"
+        time.sleep(0.1)
+        cluster.abort_answer.set_result([])  # too late to drop the cell there
+
+    ar.on_wait = ctrl_c
+    late = threading.Thread(target=rank_1_begins_late)
+    late.start()
+    cell.watch()
+    late.join()
+    outcome = cell.finish()
+    assert cluster.aborted == ["msg-1"] and cluster.signalled == [0, 1]
+    assert outcome.interrupted and outcome.dropped == [] and cluster.restarts == 0
 
 
 def test_a_cell_the_ranks_have_not_begun_says_what_it_waits_behind(shown, monkeypatch):

@@ -757,8 +757,59 @@ def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     assert not run.ok and run.finished - run.started < 10
     assert run.text.strip().splitlines()[-1] == "UsageError: bench interrupted", run.text
     assert "Traceback" not in run.text and "KeyboardInterrupt" not in run.text
-    after = ranks.run("%%ranks\nprint('next', rank)")
-    assert after.ok and "[rank 0] next 0" in after.stdout, after.text
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout, after.text
+
+
+# the ranks' collectives, mpilab's and mpi4py's, are in step: each sums the two ranks'
+IN_STEP = ("%%ranks\nimport torch\n"
+           "print('next', rank, int(mpilab.allreduce(torch.ones(1))), comm.allreduce(1))")
+
+CTRL_C_BETWEEN_SENDS = """
+import os, signal, ipyparallel
+_sends = {{"apply": ipyparallel.Client.send_apply_request,
+          "execute": ipyparallel.Client.send_execute_request}}
+def _ctrl_c_after_the_first(kind, name):
+    def send(self, *args, **kwargs):
+        future = _sends[kind](self, *args, **kwargs)
+        what = args[1]  # the cell's code, or the function pickled
+        if name in (what if isinstance(what, str) else str(b"".join(what.buffers))):
+            setattr(ipyparallel.Client, "send_" + kind + "_request", _sends[kind])
+            os.kill(os.getpid(), signal.SIGINT)  # the stop button: rank 0 has it, rank 1 not
+        return future
+    return send
+ipyparallel.Client.send_{kind}_request = _ctrl_c_after_the_first({kind!r}, {name!r})
+"""
+UNDO_CTRL_C = """
+ipyparallel.Client.send_apply_request = _sends["apply"]
+ipyparallel.Client.send_execute_request = _sends["execute"]
+"""
+
+
+@pytest.mark.parametrize("kind,name,code,said", [
+    ("apply", "run_bench", "%mpilab bench allreduce --sizes 4K:64M --backends mpilab,mpi",
+     "UsageError: bench interrupted"),
+    ("execute", "allreduce", "%%ranks\nimport time, torch\ntime.sleep(5)\n"
+     "mpilab.allreduce(torch.ones(4))",
+     "queue|interrupted"),  # each rank interrupted, or the cell taken off its queue
+])
+def test_ctrl_c_while_a_request_is_sent_stops_it_on_every_rank(ranks, kind, name, code, said):
+    """ipyparallel sends a request one rank at a time: the stop button pressed between two
+    sends must not leave a collective running on the ranks that got it, waiting for good
+    for those that did not (with nothing left in the notebook to stop it). Whether rank 1
+    drops the request or begins it first is a race, run by run: either way the stop is
+    one line, and the ranks' collectives stay in step after it."""
+    assert ranks.run(CTRL_C_BETWEEN_SENDS.format(kind=kind, name=name)).ok
+    try:
+        run = ranks.run(code, timeout=60)
+        assert not run.ok and run.finished - run.started < 15, run.text
+        assert re.search(said, run.text) and "Traceback" not in run.text, run.text
+        assert "earlier cell" not in run.text, run.text  # nothing left from the last one
+    finally:
+        assert ranks.run(UNDO_CTRL_C).ok
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout and \
+        "[rank 1] next 1 2 2" in after.stdout, after.text
 
 
 def test_stop_leaves_no_process(ranks):

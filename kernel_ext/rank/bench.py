@@ -150,8 +150,14 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
         raise ValueError(f"bench op {op!r} is not one of {', '.join(BENCH_COLLECTIVES)}")
     check_backends(backends)
     check_memory(op, sizes)
+    from .collectives import private_comm
+
     ctx = context()
-    comm, n = ctx.comm, ctx.world_size
+    # mpilab's own communicator, not the user's `comm`: a stop can leave a collective
+    # half-made (a rank stopped before the loops, or one that never began the bench), and
+    # the notebook's recovery makes mpilab's communicators again; the user's would stay
+    # out of step for good
+    comm, n = private_comm(), ctx.world_size
     rows: list[dict] = []
     running = []
     for backend in backends:
@@ -165,7 +171,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     with StopTogether() as stop:
         for size in sizes:
             buffers = _buffers(op, size, n)
-            steps = {b: _step(op, b, buffers, ctx) for b in running}
+            steps = {b: _step(op, b, buffers, comm, n) for b in running}
             calls = dict.fromkeys(running, max(1, min(_MAX_ITERS, _TIMED_BYTES // size)))
             times: dict[str, list[float]] = {b: [] for b in running}
             first: dict[str, float] = {}  # each backend's time a call in the first warm-up
@@ -339,12 +345,12 @@ def _buffers(op: str, size: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return send, recv
 
 
-def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray],
-          ctx) -> Callable[[], None]:
-    """One collective of `op` by `backend` on `buffers` (_buffers)."""
+def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray], comm,
+          n: int) -> Callable[[], None]:
+    """One collective of `op` by `backend` on `buffers` (_buffers); `comm` (n ranks) is
+    the MPI backend's."""
     import torch
 
-    n, comm = ctx.world_size, ctx.comm
     send, recv = buffers
 
     if backend == "mpi":
