@@ -234,13 +234,23 @@ def test_timeout_waits_while_the_cell_is_queued_behind_another(shown):
     assert not cell.outcome.timed_out and not cluster.signalled
 
 
-def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(shown):
+def ctrl_c():
+    """The stop button, pressed as the notebook waits on the cell's ranks."""
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("ahead,said", [
+    ([Ahead("In[4]", (0, 1))],
+     "ranks 0-1 are still running the --noblock cell In[4], not interrupted; this cell had "
+     "not begun there and was taken off their queue"),
+    ([], "ranks 0-1 had not begun this cell: it was taken off their queue"),  # just sent
+])
+def test_ctrl_c_on_a_cell_no_rank_has_begun_takes_it_off_the_queues_and_interrupts_nobody(
+        shown, ahead, said):
+    """Behind a --noblock cell, or pressed as it was sent: the note names what runs there
+    only when something does."""
     cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
-    cell = running(cluster, ar, sink, ahead=[Ahead("In[4]", (0, 1))])
-
-    def ctrl_c():
-        raise KeyboardInterrupt
-
+    cell = running(cluster, ar, sink, ahead=ahead)
     ar.on_wait = ctrl_c
     cell.watch()
     for single in ar.singles:  # the engines answer the abort
@@ -249,29 +259,7 @@ def test_ctrl_c_on_a_queued_cell_takes_it_off_the_queue_and_interrupts_nobody(sh
     assert outcome.interrupted and not cluster.signalled
     assert cluster.aborted == ["msg-0", "msg-1"] and outcome.dropped == [0, 1]
     assert not outcome.not_run  # taken off the queue by mpilab, not dropped by the ranks
-    assert report_text(outcome, None) == (
-        "mpilab: ranks 0-1 are still running the --noblock cell In[4], not interrupted; this "
-        "cell had not begun there and was taken off their queue")
-
-
-def test_ctrl_c_as_a_cell_is_sent_takes_it_off_the_queues_of_the_ranks_yet_to_begin_it(
-        shown):
-    """No --noblock cell ahead: the note says the ranks had not begun it, not that an
-    earlier cell runs there."""
-    cluster, ar, sink = FakeCluster(), FakeCellResult([0, 1]), Sink()
-    cell = running(cluster, ar, sink)
-
-    def ctrl_c():
-        raise KeyboardInterrupt
-
-    ar.on_wait = ctrl_c
-    cell.watch()
-    for single in ar.singles:  # the engines answer the abort
-        single.end(TaskAborted())
-    outcome = cell.finish()
-    assert outcome.interrupted and not cluster.signalled and outcome.dropped == [0, 1]
-    assert report_text(outcome, None) == (
-        "mpilab: ranks 0-1 had not begun this cell: it was taken off their queue")
+    assert report_text(outcome, None) == f"mpilab: {said}"
 
 
 def test_a_rank_that_begins_the_cell_before_it_answers_the_abort_is_interrupted(
@@ -286,9 +274,6 @@ def test_a_rank_that_begins_the_cell_before_it_answers_the_abort_is_interrupted(
     cluster.on_signal = lambda r: ar.singles[r].end(RankError(STOPPED, "KeyboardInterrupt"))
     cell = running(cluster, ar, sink)
     ar.metadata[0]["execute_input"] = "cell"  # rank 0 began the cell, rank 1 not yet
-
-    def ctrl_c():
-        raise KeyboardInterrupt
 
     def rank_1_begins_late():
         time.sleep(0.4)
@@ -346,10 +331,6 @@ def test_a_rank_deaf_to_the_interrupt_restarts_the_cluster_and_is_unfinished(
     # rank 1 answers, rank 0 sits in a call that cannot be interrupted
     cluster.on_signal = lambda r: r == 1 and ar.singles[1].end(
         RankError(STOPPED, "KeyboardInterrupt"))
-
-    def ctrl_c():
-        raise KeyboardInterrupt
-
     ar.on_wait = ctrl_c
     cell.watch()
     outcome = cell.finish()
