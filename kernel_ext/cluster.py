@@ -505,8 +505,6 @@ def answered(sent, timeout: float = CONTROL_ANSWER_S) -> None:
     once it answers; a signal has reached the rank once its nanny answers, so a request
     sent after that cannot be the one it interrupts. A dead engine never answers: the
     wait ends at the timeout and the caller goes on."""
-    if sent is None:
-        return
     try:
         sent.result(timeout)
     except Exception:  # noqa: BLE001 - a timeout, or an engine gone: the caller goes on

@@ -75,6 +75,13 @@ class FakeCellResult:
         pass
 
 
+def answered_at_once() -> Future:
+    """The engines' (or their nannies') answers to a control request, all in."""
+    answers: Future = Future()
+    answers.set_result([])
+    return answers
+
+
 class FakeCluster:
     """What a running cell asks of a RankCluster; `on_signal(rank)` plays a rank's
     answer to SIGINT."""
@@ -98,20 +105,17 @@ class FakeCluster:
     def local_processes(self) -> dict:
         return {}  # no local processes for the watchdog to look at
 
-    def send_signal(self, signal: str, targets, block: bool) -> None:
+    def send_signal(self, signal: str, targets, block: bool) -> Future:
         for rank in targets:
             self.signalled.append(rank)
             self.on_signal(rank)
+        return answered_at_once()
 
     def abort(self, msg_ids, targets, block: bool) -> Future:
         """The engines' answers to the abort come as `abort_answer` completes (at once
         unless a test sets one)."""
         self.aborted.extend(msg_ids)
-        if self.abort_answer is None:
-            answered: Future = Future()
-            answered.set_result([])
-            return answered
-        return self.abort_answer
+        return self.abort_answer or answered_at_once()
 
     def recover(self) -> bool:
         return True

@@ -751,6 +751,11 @@ def test_a_bench_too_large_for_the_node_is_one_line_before_any_buffer(ranks):
     assert ranks.run("%%ranks\nprint('next', rank)").ok
 
 
+# the ranks' collectives, mpilab's and mpi4py's, are in step: each sums the two ranks'
+IN_STEP = ("%%ranks\nimport torch\n"
+           "print('next', rank, int(mpilab.allreduce(torch.ones(1))), comm.allreduce(1))")
+
+
 def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     run = ranks.run("%mpilab bench allreduce --sizes 4K:64M --backends mpilab,mpi",
                     timeout=120, interrupt_after=2.0)
@@ -760,10 +765,6 @@ def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     after = ranks.run(IN_STEP, timeout=30)
     assert after.ok and "[rank 0] next 0 2 2" in after.stdout, after.text
 
-
-# the ranks' collectives, mpilab's and mpi4py's, are in step: each sums the two ranks'
-IN_STEP = ("%%ranks\nimport torch\n"
-           "print('next', rank, int(mpilab.allreduce(torch.ones(1))), comm.allreduce(1))")
 
 CTRL_C_BETWEEN_SENDS = """
 import os, signal, ipyparallel

@@ -218,7 +218,9 @@ class StopTogether:
     leaves the others blocked in it for good. So while measuring, SIGINT only takes note;
     before each loop every rank says whether it was told to stop, and all stop there
     together, once each has finished the same loops. A rank that waits longer than
-    AGREE_GRACE_S for the others (one of them busy elsewhere) stops alone, as it did.
+    AGREE_GRACE_S for the others (one stopped before the loops, or busy elsewhere) stops
+    alone; its part of the agreement is left pending, and the notebook then makes mpilab's
+    communicators again on every rank (`Session._back_in_step`).
     """
 
     AGREE_GRACE_S = 2.0
