@@ -23,7 +23,7 @@ from .cluster import (
 from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
-from .wire import parse_backends, parse_sizes
+from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes
 
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult
@@ -238,46 +238,54 @@ class Session:
             raise ClusterError(f"{what} interrupted{told}{restarted}") from None
 
     def _withdraw(self, ar, ranks: list[int], interrupt: bool) -> tuple[list[int], str]:
-        """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`),
-        the ranks' collectives back in step; the ranks that finished it, and what was
-        done to the ranks beyond that (a restart: `_back_in_step`)."""
+        """Ctrl-C on a request: off the queues, interrupted where it runs (`interrupt`: the
+        bench, whose ranks stop together within BENCH_STOP_GRACE_S), the ranks'
+        collectives back in step; the ranks that finished it, and what was done to the
+        ranks beyond that (a restart: `_back_in_step`)."""
         client = self.cluster.client
         busy = {r for a in self.runner.running_noblock() for r in a.ranks}
         running = [r for r in ranks if r not in busy]
-        try:
-            aborted = client.abort(ar.msg_ids, targets=self.cluster.engines(ranks),
-                                   block=False)
-            if interrupt and running:
-                # A rank's nanny signals it at once, where the abort goes on to the rank's
-                # own control thread: a rank that began the request between the two would
-                # run it uninterrupted (an idle engine ignores SIGINT), alone in its
-                # collectives. So the signal goes once every rank has the abort: from
-                # then on a rank either drops the request or is running it.
-                answered(aborted)
-                answered(client.send_signal("SIGINT", targets=self.cluster.engines(running),
-                                            block=False))
-        except Exception:  # noqa: BLE001 - a dead engine is told by the next command
-            pass
-        ar.wait(ABORT_SETTLE_S)
-        done = [r for r, single in zip(ranks, ar.split())
-                if single.ready() and single.successful()]
-        if interrupt and running and not busy and len(done) < len(ranks):
-            return done, self._back_in_step()
-        return done, ""
+        interrupting = interrupt and bool(running)
+        with interrupts_held():  # a second Ctrl-C: this one is not done yet
+            try:
+                aborted = client.abort(ar.msg_ids, targets=self.cluster.engines(ranks),
+                                       block=False)
+                if interrupting:
+                    # A rank's nanny signals it at once, where the abort goes on to the
+                    # rank's own control thread: a rank that began the request between
+                    # the two would run it uninterrupted (an idle engine ignores SIGINT),
+                    # alone in its collectives. So the signal goes once every rank has the
+                    # abort: from then on a rank either drops the request or is running it.
+                    answered(aborted)
+                    answered(client.send_signal(
+                        "SIGINT", targets=self.cluster.engines(running), block=False))
+            except Exception:  # noqa: BLE001 - a dead engine is told by the next command
+                pass
+            ar.wait(BENCH_STOP_GRACE_S + ABORT_SETTLE_S if interrupting else ABORT_SETTLE_S)
+        singles = dict(zip(ranks, ar.split()))
+        done = [r for r, single in singles.items() if single.ready() and single.successful()]
+        if not interrupting or busy or len(done) == len(ranks):
+            return done, ""
+        return done, self._back_in_step([r for r, single in singles.items()
+                                         if not single.ready()])
 
-    def _back_in_step(self) -> str:
+    def _back_in_step(self, stuck: list[int]) -> str:
         """After ranks were interrupted in a request: mpilab's communicators made again on
         every rank together, as after an interrupted cell. A rank stopped inside a
         collective leaves its peers' part of it pending, and one that dropped the request
         never made its part: the next collective would pair with that one. A rank that
-        cannot take part (in a call no interrupt reaches) means a restart. A second
-        Ctrl-C meanwhile is held: the recovery must reach every rank."""
+        cannot take part (`stuck`: still running the request past its grace, in a call
+        no interrupt reaches) means a restart. A second Ctrl-C meanwhile is held: the
+        recovery must reach every rank."""
         with interrupts_held():
-            if self.cluster.recover():
+            if not stuck and self.cluster.recover():
                 return ""
             self.cluster.restart()
-        return ("; the ranks did not come back in step (one was in a call no interrupt "
-                "reaches) and were restarted: their state was lost")
+        why = (f"{rank_label(stuck)} did not stop (in a call no interrupt reaches), so the "
+               "ranks were restarted" if stuck else
+               "the ranks did not come back in step (one was in a call no interrupt "
+               "reaches) and were restarted")
+        return f"; {why}: their state was lost"
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
         """`%mpilab bench`: a progress line while it measures (~15 s for the full range

@@ -269,6 +269,10 @@ DEFAULT_COLLECTIVE_TIMEOUT_S = 1800.0
 BENCH_RESULT_PREFIX = "mpilab-bench-result "  # then {"rows": [...], "ceiling": GB/s} as JSON
 BENCH_COLLECTIVES = ("allreduce", "broadcast", "allgather")
 BENCH_BACKENDS = ("mpilab", "mpilab-internal", "mpi", "gloo", "nccl", "memory")
+# After the stop button, how long a rank waits for the others at the bench's next meeting
+# point before it stops alone; the notebook waits that long (and a little) for every rank
+# to stop before it counts one that has not as being in a call no interrupt reaches
+BENCH_STOP_GRACE_S = 2.0
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 

@@ -766,6 +766,37 @@ def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     assert after.ok and "[rank 0] next 0 2 2" in after.stdout, after.text
 
 
+# rank 1's bench waits in a blocking MPI receive that nothing sends: a call no interrupt
+# reaches (a C call holding the rank, as a peer's blocking collective would)
+STUCK_IN_THE_BENCH = """%%ranks 1
+from mpi4py import MPI
+from mpilab.rank import bench
+def _stuck(*args):
+    MPI.COMM_WORLD.Recv(bytearray(1), source=0, tag=7)
+bench._buffers = _stuck
+"""
+
+
+def test_stopping_a_bench_with_a_rank_no_interrupt_reaches_restarts_the_ranks(ranks):
+    """Rank 0 stops at the bench's meeting point, rank 1 cannot: the notebook names it
+    and restarts the ranks at once (not after a recovery that cannot succeed), and
+    leaves no process of theirs behind."""
+    assert ranks.run(STUCK_IN_THE_BENCH).ok
+    engines = [psutil.Process(p) for p in cluster_pids(ranks)["engines"]]
+    run = ranks.run("%mpilab bench allreduce --sizes 4K --backends mpilab", timeout=120,
+                    interrupt_after=2.0)
+    assert not run.ok and run.finished - run.started < 16, run.text  # not 15 s on a recovery
+    assert run.text.strip().splitlines()[-1] == (
+        "UsageError: bench interrupted; rank 1 did not stop (in a call no interrupt "
+        "reaches), so the ranks were restarted: their state was lost"), run.text
+    assert "Traceback" not in run.text and "KeyboardInterrupt" not in run.text
+    gone, alive = psutil.wait_procs(engines, timeout=10)
+    assert not alive, alive
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout and \
+        "[rank 1] next 1 2 2" in after.stdout, after.text
+
+
 CTRL_C_BETWEEN_SENDS = """
 import os, signal, ipyparallel
 _sends = {{"apply": ipyparallel.Client.send_apply_request,

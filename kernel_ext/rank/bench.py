@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..wire import BENCH_COLLECTIVES, check_backends
+from ..wire import BENCH_COLLECTIVES, BENCH_STOP_GRACE_S, check_backends
 from .context import context
 from .memory import available_memory
 from .waiting import poll, wait_interruptibly
@@ -218,12 +218,10 @@ class StopTogether:
     leaves the others blocked in it for good. So while measuring, SIGINT only takes note;
     before each loop every rank says whether it was told to stop, and all stop there
     together, once each has finished the same loops. A rank that waits longer than
-    AGREE_GRACE_S for the others (one stopped before the loops, or busy elsewhere) stops
-    alone; its part of the agreement is left pending, and the notebook then makes mpilab's
-    communicators again on every rank (`Session._back_in_step`).
+    BENCH_STOP_GRACE_S for the others (one stopped before the loops, or busy elsewhere)
+    stops alone; its part of the agreement is left pending, and the notebook then makes
+    mpilab's communicators again on every rank (`Session._back_in_step`).
     """
-
-    AGREE_GRACE_S = 2.0
 
     def __init__(self) -> None:
         self.asked = False
@@ -253,8 +251,8 @@ class StopTogether:
 
         def gathered() -> bool:
             nonlocal deadline
-            if self.asked:  # told while waiting: the others get AGREE_GRACE_S to come
-                deadline = deadline or time.monotonic() + self.AGREE_GRACE_S
+            if self.asked:  # told while waiting: the others get BENCH_STOP_GRACE_S to come
+                deadline = deadline or time.monotonic() + BENCH_STOP_GRACE_S
                 if time.monotonic() > deadline:
                     raise KeyboardInterrupt
             return request.Test()
