@@ -28,6 +28,11 @@ from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult
 
+# A stopped bench's ranks answer within BENCH_STOP_GRACE_S and this (the signal's way to
+# them, the traceback made and the reply's way back, on busy cores); a rank that has not
+# by then is in a call no interrupt reaches
+STOP_REPLY_MARGIN_S = 1.0
+
 _PASSTHROUGH = ("%mpilab", "%load_ext", "%unload_ext", "%reload_ext", "%%ranks")
 WARM_WIDGETS_WAIT_S = 10.0  # at most this long after the ranks are ready
 
@@ -261,7 +266,7 @@ class Session:
                         "SIGINT", targets=self.cluster.engines(running), block=False))
             except Exception:  # noqa: BLE001 - a dead engine is told by the next command
                 pass
-            ar.wait(BENCH_STOP_GRACE_S + ABORT_SETTLE_S if interrupting else ABORT_SETTLE_S)
+            ar.wait(BENCH_STOP_GRACE_S + STOP_REPLY_MARGIN_S if interrupting else ABORT_SETTLE_S)
         singles = dict(zip(ranks, ar.split()))
         done = [r for r, single in singles.items() if single.ready() and single.successful()]
         if not interrupting or busy or len(done) == len(ranks):
