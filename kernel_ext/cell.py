@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from ipyparallel.error import TaskAborted
 
 from .cell_window import CellWindow
-from .cluster import RankCluster, answered
+from .cluster import RankCluster, answered, interrupts_held
 from .live import LiveViews, TextInPlace
 from .rank_input import CellQuestions
 from .relay import (
@@ -318,62 +318,63 @@ class RunningCell:
         runs an earlier --noblock one) is not interrupted: the cell leaves its queue.
         `blocking`: ranks the watchdog saw in a call an interrupt cannot reach; once only
         they are left, the restart comes after BLOCKING_GRACE_S."""
-        outcome, singles, store = self.outcome, self._singles, self.cluster.store
-        begun = self._begun()
-        queued = [r for r in ranks if r not in begun and not singles[r].ready()]
-        aborted = None  # the queued ranks' answers to the abort, while some are owed
-        if queued:
-            try:
-                aborted = self.cluster.client.abort(
-                    [self._msg_ids[r] for r in queued], targets=self.cluster.engines(queued),
-                    block=False)
-            except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
-                pass
-        interrupted: list[int] = []
-        settled = time.monotonic() + (ABORT_SETTLE_S if queued else 0.0)
-        deadline = time.monotonic() + INTERRUPT_GRACE_S
-        blocked_deadline = time.monotonic() + BLOCKING_GRACE_S
-        while True:
-            # a rank that began the cell as it was taken off the queue is interrupted too:
-            # until it has answered the abort (relayed by its nanny, so it may come late),
-            # and for ABORT_SETTLE_S after, in which the echo of its beginning can arrive
-            if aborted is not None and aborted.done():
-                aborted, settled = None, max(settled, time.monotonic() + ABORT_SETTLE_S)
+        with interrupts_held():  # a second Ctrl-C: the first is served to the end
+            outcome, singles, store = self.outcome, self._singles, self.cluster.store
             begun = self._begun()
-            fresh = [r for r in ranks
-                     if r not in interrupted and (r not in queued or r in begun)]
-            if fresh:
-                self._interrupt(fresh)
-                interrupted += fresh
-            pending = [r for r in interrupted if not singles[r].ready()]
-            done = not pending
-            now = time.monotonic()
-            if (done and now >= settled and aborted is None) or now > deadline or \
-                    (pending and now > blocked_deadline and set(pending) <= set(blocking)):
-                break
-            time.sleep(TICK_S)
-        outcome.dropped = dropped = [r for r in queued if r not in interrupted]
-        if dropped and any(set(a.ranks) & set(dropped) for a in self._ahead):
+            queued = [r for r in ranks if r not in begun and not singles[r].ready()]
+            aborted = None  # the queued ranks' answers to the abort, while some are owed
+            if queued:
+                try:
+                    aborted = self.cluster.client.abort(
+                        [self._msg_ids[r] for r in queued], targets=self.cluster.engines(queued),
+                        block=False)
+                except Exception:  # noqa: BLE001 - a dead engine is reported by the watchdog
+                    pass
+            interrupted: list[int] = []
+            settled = time.monotonic() + (ABORT_SETTLE_S if queued else 0.0)
+            deadline = time.monotonic() + INTERRUPT_GRACE_S
+            blocked_deadline = time.monotonic() + BLOCKING_GRACE_S
+            while True:
+                # a rank that began the cell as it was taken off the queue is interrupted too:
+                # until it has answered the abort (relayed by its nanny, so it may come late),
+                # and for ABORT_SETTLE_S after, in which the echo of its beginning can arrive
+                if aborted is not None and aborted.done():
+                    aborted, settled = None, max(settled, time.monotonic() + ABORT_SETTLE_S)
+                begun = self._begun()
+                fresh = [r for r in ranks
+                         if r not in interrupted and (r not in queued or r in begun)]
+                if fresh:
+                    self._interrupt(fresh)
+                    interrupted += fresh
+                pending = [r for r in interrupted if not singles[r].ready()]
+                done = not pending
+                now = time.monotonic()
+                if (done and now >= settled and aborted is None) or now > deadline or \
+                        (pending and now > blocked_deadline and set(pending) <= set(blocking)):
+                    break
+                time.sleep(TICK_S)
+            outcome.dropped = dropped = [r for r in queued if r not in interrupted]
+            if dropped and any(set(a.ranks) & set(dropped) for a in self._ahead):
+                outcome.notes.append(
+                    f"{waiting_text(dropped, self._ahead)}, not interrupted; this cell "
+                    "had not begun there and was taken off their queue")
+            elif dropped:  # stopped as it was sent: nothing ran there before it
+                outcome.notes.append(
+                    f"{rank_label(dropped)} had not begun this cell: it was taken off "
+                    f"{'its' if len(dropped) == 1 else 'their'} queue")
+            if not interrupted or self.stopped or (done and self.cluster.recover()):
+                return
+            stuck = [r for r in interrupted if not singles[r].ready()]
+            heartbeats = store.heartbeats if store else {}
+            for r in stuck:
+                outcome.notes.append(
+                    f"{describe(r, heartbeats.get(r))}: it did not answer the interrupt "
+                    "(a blocking MPI or torch.distributed call, which mpilab cannot interrupt)")
             outcome.notes.append(
-                f"{waiting_text(dropped, self._ahead)}, not interrupted; this cell "
-                "had not begun there and was taken off their queue")
-        elif dropped:  # stopped as it was sent: nothing ran there before it
-            outcome.notes.append(
-                f"{rank_label(dropped)} had not begun this cell: it was taken off "
-                f"{'its' if len(dropped) == 1 else 'their'} queue")
-        if not interrupted or self.stopped or (done and self.cluster.recover()):
-            return
-        stuck = [r for r in interrupted if not singles[r].ready()]
-        heartbeats = store.heartbeats if store else {}
-        for r in stuck:
-            outcome.notes.append(
-                f"{describe(r, heartbeats.get(r))}: it did not answer the interrupt "
-                "(a blocking MPI or torch.distributed call, which mpilab cannot interrupt)")
-        outcome.notes.append(
-            f"restarted the ranks: their state was lost; {last_checkpoint(store)}")
-        outcome.restarted = True
-        self.cluster.restart()
-        self._generation = self.cluster.generation  # this cell's own restart: it ends now
+                f"restarted the ranks: their state was lost; {last_checkpoint(store)}")
+            outcome.restarted = True
+            self.cluster.restart()
+            self._generation = self.cluster.generation  # this cell's own restart: it ends now
 
     def _begun(self) -> set[int]:
         """The ranks that began the cell: an engine echoes a cell's code as it begins it

@@ -138,7 +138,8 @@ class CellRunner:
         self.last_views = cell.views
         self.recent_runs.append(RecentRun(shown_label(label), cell.window))
         cell.watch(interrupted)
-        return cell.finish()
+        with interrupts_held():  # the cell has ended: its last output and drawing, whole
+            return cell.finish()
 
     def _report(self, outcome: CellOutcome, options: RunOptions) -> None:
         for ranks in _group(outcome.results):

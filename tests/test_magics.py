@@ -6,6 +6,7 @@ import csv
 import json
 import re
 import stat
+import threading
 import time
 
 import psutil
@@ -792,6 +793,27 @@ def test_stopping_a_bench_with_a_rank_no_interrupt_reaches_restarts_the_ranks(ra
     assert "Traceback" not in run.text and "KeyboardInterrupt" not in run.text
     gone, alive = psutil.wait_procs(engines, timeout=10)
     assert not alive, alive
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout and \
+        "[rank 1] next 1 2 2" in after.stdout, after.text
+
+
+def test_a_second_ctrl_c_while_the_ranks_are_released_changes_nothing(ranks):
+    """The stop button pressed again while the first stop is still being served (rank 0
+    sits in a blocking MPI receive, so the notebook waits out the interrupt grace and
+    then restarts the ranks): one report, no traceback, and the ranks come back."""
+    code = ("%%ranks\nfrom mpi4py import MPI\nimport numpy as np\nif rank == 0:\n"
+            "    MPI.COMM_WORLD.Recv(np.zeros(1), source=1, tag=5)  # nothing is sent")
+    again = threading.Timer(2.5, ranks.km.interrupt_kernel)
+    again.start()
+    try:
+        run = ranks.run(code, timeout=120, interrupt_after=1.5)
+    finally:
+        again.cancel()
+    assert not run.ok and run.finished - run.started < 20, run.text
+    assert "Traceback" not in run.text and "KeyboardInterrupt" not in run.text, run.text
+    assert "rank 0 was at cell line 4: MPI.COMM_WORLD.Recv" in run.text and \
+        "restarted the ranks: their state was lost" in run.text, run.text
     after = ranks.run(IN_STEP, timeout=30)
     assert after.ok and "[rank 0] next 0 2 2" in after.stdout and \
         "[rank 1] next 1 2 2" in after.stdout, after.text
