@@ -798,6 +798,37 @@ def test_stopping_a_bench_with_a_rank_no_interrupt_reaches_restarts_the_ranks(ra
         "[rank 1] next 1 2 2" in after.stdout, after.text
 
 
+# rank 1's kernel stalls between taking the next request off its queue and catching
+# SIGINT for it (where a stop's signal is ignored), once, past the stop's grace
+STALL_BEFORE_THE_NEXT_REQUEST = """%%ranks 1
+import time
+_kernel = get_ipython().kernel
+_should_handle = _kernel.should_handle
+def _stalled(stream, msg, idents):
+    handle = _should_handle(stream, msg, idents)
+    if handle and msg["header"]["msg_type"] == "apply_request":
+        del _kernel.should_handle
+        time.sleep(3)
+    return handle
+_kernel.should_handle = _stalled
+"""
+
+
+def test_a_rank_that_begins_a_stopped_bench_after_its_signal_stops_too(ranks):
+    """The stop button's signal reached rank 1 before its kernel could catch it, with
+    the request already off its queue: rank 1 must not run the bench alone (its peer
+    gone, it would wait in the bench's first collective for good, and the ranks be
+    restarted). It sees that the request was withdrawn and stops as it begins."""
+    assert ranks.run(STALL_BEFORE_THE_NEXT_REQUEST).ok
+    run = ranks.run("%mpilab bench allreduce --sizes 4K --backends mpilab", timeout=120,
+                    interrupt_after=1.0)
+    assert not run.ok and run.finished - run.started < 15, run.text
+    assert run.text.strip().splitlines()[-1] == "UsageError: bench interrupted", run.text
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout and \
+        "[rank 1] next 1 2 2" in after.stdout, after.text
+
+
 def test_a_second_ctrl_c_while_the_ranks_are_released_changes_nothing(ranks):
     """The stop button pressed again while the first stop is still being served (rank 0
     sits in a blocking MPI receive, so the notebook waits out the interrupt grace and
@@ -859,6 +890,7 @@ def test_ctrl_c_while_a_request_is_sent_stops_it_on_every_rank(ranks, kind, name
         assert not run.ok and run.finished - run.started < 15, run.text
         assert re.search(said, run.text) and "Traceback" not in run.text, run.text
         assert "earlier cell" not in run.text, run.text  # nothing left from the last one
+        assert "restarted" not in run.text, run.text  # no rank is beyond an interrupt here
     finally:
         assert ranks.run(UNDO_CTRL_C).ok
     after = ranks.run(IN_STEP, timeout=30)

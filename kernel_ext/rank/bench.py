@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
@@ -103,11 +104,31 @@ def copy_bandwidth(size: int, repeats: int = 10) -> float:
 BUFFERS_PER_RANK = 3
 
 
+def stop_if_withdrawn() -> None:
+    """KeyboardInterrupt where the notebook has taken back the request this rank begins.
+
+    The stop button takes a bench's request off the ranks' queues, and signals the ranks
+    only once each has that abort; but a rank whose kernel took the request off its
+    queue just before the abort came catches no SIGINT until the request's handler
+    begins, and would run the bench alone, its peers gone. ipyparallel's engine keeps
+    the ids it was told to abort, the running request's too: that is the stop, seen
+    whatever the signal's timing. Outside an engine (a script under mpiexec) nothing is
+    withdrawn."""
+    ipython = sys.modules.get("IPython")
+    kernel = getattr(ipython.get_ipython(), "kernel", None) if ipython else None
+    if kernel is None:
+        return
+    msg_id = kernel.get_parent().get("header", {}).get("msg_id")
+    if msg_id in getattr(kernel, "aborted", ()):
+        raise KeyboardInterrupt
+
+
 def check_memory(op: str, sizes: list[int]) -> None:
     """Before any buffer is made: every host has the memory its ranks need for the largest
     message, else ValueError naming the host and a size that fits (a 64G message on a
     24 GiB node would leave it to the kernel's OOM killer, which ends any process).
     Collective: every rank raises the same error."""
+    stop_if_withdrawn()
     ctx = context()
     largest = max(effective_size(op, size, ctx.world_size) for size in sizes)
     need = BUFFERS_PER_RANK * largest * ctx.local_size
@@ -149,7 +170,7 @@ def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20)
     if op not in BENCH_COLLECTIVES:
         raise ValueError(f"bench op {op!r} is not one of {', '.join(BENCH_COLLECTIVES)}")
     check_backends(backends)
-    check_memory(op, sizes)
+    check_memory(op, sizes)  # the first collective: a withdrawn request stops there
     from .collectives import private_comm
 
     ctx = context()
