@@ -251,7 +251,7 @@ class Session:
         busy = {r for a in self.runner.running_noblock() for r in a.ranks}
         running = [r for r in ranks if r not in busy]
         interrupting = interrupt and bool(running)
-        with interrupts_held():  # a second Ctrl-C: this one is not done yet
+        with interrupts_held():  # a second Ctrl-C: this one is served to the end, recovery too
             try:
                 aborted = client.abort(ar.msg_ids, targets=self.cluster.engines(ranks),
                                        block=False)
@@ -267,12 +267,13 @@ class Session:
             except Exception:  # noqa: BLE001 - a dead engine is told by the next command
                 pass
             ar.wait(BENCH_STOP_GRACE_S + STOP_REPLY_MARGIN_S if interrupting else ABORT_SETTLE_S)
-        singles = dict(zip(ranks, ar.split()))
-        done = [r for r, single in singles.items() if single.ready() and single.successful()]
-        if not interrupting or busy or len(done) == len(ranks):
-            return done, ""
-        return done, self._back_in_step([r for r, single in singles.items()
-                                         if not single.ready()])
+            singles = dict(zip(ranks, ar.split()))
+            done = [r for r, single in singles.items()
+                    if single.ready() and single.successful()]
+            if not interrupting or busy or len(done) == len(ranks):
+                return done, ""
+            return done, self._back_in_step([r for r, single in singles.items()
+                                             if not single.ready()])
 
     def _back_in_step(self, stuck: list[int]) -> str:
         """After ranks were interrupted in a request: mpilab's communicators made again on
@@ -280,16 +281,13 @@ class Session:
         collective leaves its peers' part of it pending, and one that dropped the request
         never made its part: the next collective would pair with that one. A rank that
         cannot take part (`stuck`: still running the request past its grace, in a call
-        no interrupt reaches) means a restart. A second Ctrl-C meanwhile is held: the
-        recovery must reach every rank."""
-        with interrupts_held():
-            if not stuck and self.cluster.recover():
-                return ""
-            self.cluster.restart()
+        no interrupt reaches), or a recovery that fails, means a restart."""
+        if not stuck and self.cluster.recover():
+            return ""
+        self.cluster.restart()
         why = (f"{rank_label(stuck)} did not stop (in a call no interrupt reaches), so the "
                "ranks were restarted" if stuck else
-               "the ranks did not come back in step (one was in a call no interrupt "
-               "reaches) and were restarted")
+               "the ranks did not come back in step and were restarted")
         return f"; {why}: their state was lost"
 
     def show_bench(self, op: str, sizes: str, backends: str) -> None:
