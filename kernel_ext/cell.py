@@ -164,7 +164,8 @@ class RunningCell:
         self.views = LiveViews(cluster.store, cluster.world_size, options.dashboard,
                                self._msg_ids)
         self._singles = dict(zip(ranks, ar.split()))
-        self.watchdog = Watchdog(cluster, ranks, options.hang_timeout, self.views.cell)
+        self.watchdog = Watchdog(cluster, ranks, options.hang_timeout, self.views.cell,
+                                 notebook_waits=options.block)
         self._deadline: float | None = None  # monotonic; set once the ranks begin the cell
         self._generation = cluster.generation  # the ranks this cell runs on (RankCluster)
         self.questions = CellQuestions(cluster.input_desk, len(ranks), write,

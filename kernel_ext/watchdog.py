@@ -34,6 +34,11 @@ PROCESS_CHECK_S = 0.25
 MPIEXEC_REPORT_WAIT_S = 2.0
 UNKNOWN_CAUSE = "its process is gone"
 SILENT_PREFIX = "no heartbeat"
+# a cell on some ranks whose collective waits for ranks that run no cell: how long it
+# waits before it is released, and how long after the collective began those ranks must
+# still have said they were idle (a --noblock cell sent to them just before this one has
+# begun there by then)
+IDLE_PEERS_WAIT_S = 1.0
 
 Ending = Literal["ok", "error"]  # how a rank's part of the cell ended
 
@@ -173,8 +178,12 @@ def reported_causes(launcher_output: str) -> dict[tuple[str, int | None], str]:
 class Watchdog:
     """One per running cell; `check()` is called on every relay tick."""
 
-    def __init__(self, cluster, ranks: list[int], hang_timeout: float, cell: CellWindow):
+    def __init__(self, cluster, ranks: list[int], hang_timeout: float, cell: CellWindow,
+                 notebook_waits: bool = False):
+        """notebook_waits: the notebook waits on this cell (not --noblock), so no other
+        cell starts meanwhile and ranks idle outside it stay idle."""
         self.cluster = cluster
+        self.notebook_waits = notebook_waits
         self.ranks = ranks
         self._ranks = set(ranks)  # membership tests: 1,024 ranks, 20 checks a second
         self.hang_timeout = hang_timeout
@@ -298,6 +307,8 @@ class Watchdog:
                  if hb is not None and hb.get("phase") == "collective"
                  and _age(hb) > self.hang_timeout and self._this_cell(hb)}
         idle = self._idle_elsewhere(heartbeats)
+        if not stuck and idle and self.notebook_waits:
+            stuck = self._waiting_for_the_idle(waiting, heartbeats)
         if stuck:
             progress = ", ".join(
                 f"rank {r} at collective #{hb['seq'] if hb else '?'}"
@@ -319,6 +330,19 @@ class Watchdog:
         if outside and all(heartbeats.get(r, {}).get("phase") == "idle" for r in outside):
             return outside
         return []
+
+    def _waiting_for_the_idle(self, waiting: dict[int, dict | None],
+                              heartbeats: dict[int, dict]) -> dict[int, dict]:
+        """This cell's ranks in one of mpilab's collectives (every one is over all the
+        ranks) while the ranks outside the cell sit idle, told by heartbeats received
+        well after the collective began. The notebook waits on this cell, so nothing
+        will start a cell there: the collective can never complete, and waiting out the
+        hang timeout only keeps the user waiting."""
+        idle_told = min(heartbeats[r]["recv"] for r in self._outside)
+        return {r: hb for r, hb in waiting.items()
+                if hb is not None and hb.get("phase") == "collective" and self._this_cell(hb)
+                and _age(hb) > IDLE_PEERS_WAIT_S
+                and idle_told - (hb["recv"] - hb.get("op_age", 0.0)) > IDLE_PEERS_WAIT_S / 2}
 
     def _waits_for_peer(self, hb: dict | None, failed_at: float) -> bool:
         """In one of mpilab's collectives, or at a line that calls one directly: a call

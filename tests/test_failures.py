@@ -184,6 +184,23 @@ def test_a_collective_run_on_some_ranks_only_is_diagnosed_not_left_hanging(nb):
     assert ("rank 1 is not running this cell, and a collective waits for every rank: run it "
             "on all of them (`%%ranks`)") in err, err
     assert nb.run("%%ranks\nx = torch.ones(2)\nmpilab.allreduce(x)\nassert x[0] == 2").ok
+    # at the default hang timeout (30 s): the notebook waits on this cell, so nothing will
+    # start a cell on rank 1; the verdict comes at once, and the ranks keep their state
+    run, took = timed(nb, "%%ranks 0\nx = torch.ones(3)\nmpilab.allreduce(x)\nprint('never')")
+    assert not run.ok and took < 8, took
+    assert "rank 1 is not running this cell" in run.error_text, run.error_text
+    assert "never" not in run.stdout and "restarted" not in run.text, run.text
+    # a --noblock cell's collective may have its other half in a later cell
+    half = nb.run("%%ranks 0 --noblock\nx = torch.ones(3)\nmpilab.allreduce(x)\n"
+                  "print('half', x.tolist())")
+    assert half.ok, half.text
+    time.sleep(2)  # past the wait for ranks that run no cell
+    other = nb.run("%%ranks 1\nx = torch.ones(3)\nmpilab.allreduce(x)\n"
+                   "print('other', x.tolist())")
+    assert other.ok and "other [2.0, 2.0, 2.0]" in other.stdout, other.text
+    late = "".join(m["content"].get("text", "") for m in nb.collect_iopub(1.0)
+                   if m["parent"] == half.msg_id and m["type"] == "stream")
+    assert "half [2.0, 2.0, 2.0]" in late, late
     run, took = timed(nb, "%%ranks 1 --hang-timeout 3\nt = torch.ones(3)\ndist.all_reduce(t)",
                       timeout=180)
     assert not run.ok and took < 60, took

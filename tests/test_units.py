@@ -726,6 +726,44 @@ def test_a_collective_on_some_ranks_while_the_others_sit_idle_is_named_a_hang(mo
     assert lines[-1].startswith("rank 0 is not running this cell")
 
 
+def test_a_collective_waiting_for_ranks_that_run_no_cell_is_released_at_once(monkeypatch):
+    """`%%ranks 1` calling mpilab.allreduce while rank 0 sits idle: the notebook waits on
+    this cell, so rank 0 never joins; the verdict comes once rank 0 has said it is idle
+    well after the collective began, not after the 30-s hang timeout. A --noblock cell's
+    collective waits the hang timeout (a later cell may be its other half)."""
+    clock = [100.0]
+    monkeypatch.setattr("time.time", lambda: clock[0])
+    cluster = _QuietCluster()
+    cell = cluster.start_cell(1)
+
+    def at(t: float) -> None:
+        clock[0] = t
+        cluster.beat(0, t, "idle", cell=5)
+        cluster.beat(1, t, "collective", cell=1, op="allreduce", op_age=t - 100.0)
+
+    waits = Watchdog(cluster, [1], hang_timeout=30.0, cell=cell, notebook_waits=True)
+    noblock = Watchdog(cluster, [1], hang_timeout=30.0, cell=cell)
+    at(100.5)
+    assert waits.check(100.5, {}) is None  # too soon: rank 0 may be about to begin a cell
+    at(101.2)
+    assert noblock.check(101.2, {}) is None
+    verdict = waits.check(101.2, {})
+    assert verdict.kind == "hang" and verdict.release == [1]
+    assert verdict.lines == [
+        "hang: rank 1 was waiting in allreduce #7 for 1.2 s",
+        "progress: rank 1 at collective #7",
+        "rank 0 is not running this cell, and a collective waits for every rank: run it "
+        "on all of them (`%%ranks`)"]
+    # rank 0 last told of being idle before the collective began: no verdict yet
+    cluster = _QuietCluster()
+    clock[0] = 99.0
+    cluster.beat(0, 99.0, "idle", cell=5)
+    clock[0] = 102.0
+    cluster.beat(1, 102.0, "collective", cell=1, op="allreduce", op_age=2.0)
+    assert Watchdog(cluster, [1], 30.0, cluster.start_cell(1), notebook_waits=True) \
+        .check(102.0, {}) is None
+
+
 @pytest.mark.parametrize("code, awaits", [
     ("import asyncio\nawait asyncio.sleep(0)", True),
     ("%time x = 1\nawait f()", True),  # read as IPython reads it
