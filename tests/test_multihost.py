@@ -201,6 +201,43 @@ def test_ssh_rank_failure_on_node2_releases_node1(ssh_ranks):
     assert after.ok and "[ranks 0-3] 42" in after.stdout, after.text
 
 
+def test_ssh_the_stop_button_interrupts_the_ranks_on_both_hosts(ssh_ranks):
+    """The stop button reaches every rank through its nanny, on either host: node2's ranks
+    asleep, node1's waiting in a collective for them. Every rank is interrupted within
+    seconds and keeps its state."""
+    code = ("%%ranks\nimport time, torch\nkept = 40 + 3\n"
+            "if rank >= 2:\n    time.sleep(60)\nmpilab.allreduce(torch.ones(4))\nprint('never')")
+    started = time.monotonic()
+    run = ssh_ranks.run(code, timeout=120, interrupt_after=2.0)
+    took = time.monotonic() - started
+    assert not run.ok and took < 10, (took, run.text)
+    for r in range(4):
+        assert f"[rank {r}] interrupted" in run.error_text, run.text
+    assert "never" not in run.text and "restarted" not in run.text, run.text
+    after = ssh_ranks.run("%%ranks\nx = torch.ones(1)\nmpilab.allreduce(x)\n"
+                          "print(kept, int(x))")
+    assert after.ok and "[ranks 0-3] 43 4" in after.stdout, after.text
+
+
+def test_ssh_the_stop_button_with_a_rank_in_a_blocking_call_on_node2_restarts_all(ssh_ranks):
+    """Rank 3, on node2, in a blocking MPI receive no interrupt reaches: the stop button
+    names it and restarts every rank on both hosts, in one report, within seconds."""
+    code = ("%%ranks\nfrom mpi4py import MPI\nimport numpy as np\nif rank == 3:\n"
+            "    MPI.COMM_WORLD.Recv(np.zeros(1), source=0, tag=5)  # nothing is sent")
+    started = time.monotonic()
+    run = ssh_ranks.run(code, timeout=180, interrupt_after=1.5)
+    took = time.monotonic() - started
+    assert not run.ok and took < 40, (took, run.text)
+    assert "Traceback" not in run.text, run.text
+    assert "rank 3 was at cell line 4: MPI.COMM_WORLD.Recv" in run.text and \
+        "restarted the ranks: their state was lost" in run.text, run.text
+    again = ssh_ranks.run("%%ranks\nimport socket, torch\nx = torch.ones(1)\n"
+                          "mpilab.allreduce(x)\nprint(socket.gethostname(), int(x))")
+    assert again.ok, again.text
+    assert "[ranks 0-1] node1 4" in again.stdout and "[ranks 2-3] node2 4" in again.stdout, \
+        again.text
+
+
 def test_ssh_killed_rank_on_node2_is_named_then_restart(ssh_ranks, emulated_cluster):
     pids = ssh_ranks.run("%%ranks\nimport os\nprint(os.getpid())")
     assert pids.ok
