@@ -392,6 +392,24 @@ def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulat
     trained = slurm_kernel.run("%%ranks\nacc = train_and_score('mpi')\n"
                                "print(acc >= 0.95, f'{acc:.3f}')", timeout=300)
     assert trained.ok and "[ranks 0-3] True" in trained.stdout, trained.text
+    # the stop button reaches the ranks inside the job on both nodes; they keep their state
+    run = slurm_kernel.run("%%ranks\nimport time\nkept = 7\ntime.sleep(60)", timeout=60,
+                           interrupt_after=2.0)
+    assert not run.ok and run.finished - run.started < 10, run.text
+    assert all(f"[rank {r}] interrupted" in run.error_text for r in range(4)), run.text
+    kept = slurm_kernel.run("%%ranks\nprint(kept)")
+    assert kept.ok and "[ranks 0-3] 7" in kept.stdout, kept.text
+    # with a rank in a call no interrupt reaches, the ranks are restarted in a new job
+    before = jobs[0]["id"]
+    run = slurm_kernel.run("%%ranks\nfrom mpi4py import MPI\nimport numpy as np\n"
+                           "if rank == 3:\n    MPI.COMM_WORLD.Recv(np.zeros(1), source=0, tag=5)",
+                           timeout=240, interrupt_after=1.5)
+    assert not run.ok and "restarted the ranks: their state was lost" in run.text, run.text
+    jobs = emulated_cluster.squeue()
+    assert len(jobs) == 1 and jobs[0]["id"] != before, jobs
+    again = slurm_kernel.run("%%ranks\nimport socket\nprint(socket.gethostname())")
+    assert "[ranks 0-1] node1" in again.stdout and "[ranks 2-3] node2" in again.stdout, \
+        again.text
     stopped = slurm_kernel.run("%mpilab stop", timeout=120)
     assert stopped.ok, stopped.text
     assert emulated_cluster.squeue() == []
