@@ -1,22 +1,26 @@
-"""mpilab on several hosts: allreduce bandwidth and start-to-ready, against the peers.
+"""mpilab on several hosts: the collectives' bandwidth and start-to-ready, against the peers.
 
 On the emulated cluster (tests/cluster.py: 2 nodes, each its own network, UTS and PID
 namespace with a real sshd and slurmd; 2 ranks a node; traffic over veth pairs and a
 bridge, not a real NIC):
 
-1. allreduce bus bandwidth (nccl-tests' busbw: 2(n-1)/n x bytes / time), float32 sum,
-   4 KiB to 64 MiB, of `mpilab.allreduce(tensor)` (the public call: node-local shared
-   memory, then MPI between the nodes), mpi4py's `Allreduce` and torch gloo's
-   `dist.all_reduce`, interleaved in one run (every repeat runs the three in turn, the
-   order rotating, each with three untimed calls before its timed loop of about 20 ms:
-   as many calls as fit, at most 1,000), median of the slowest rank's time per repeat;
+1. bus bandwidth (nccl-tests' busbw: allreduce 2(n-1)/n x bytes / time, broadcast
+   bytes / time, allgather (n-1)/n x gathered bytes / time), float32, 4 KiB to 64 MiB
+   (an allgather's part on each rank), of the public calls `mpilab.allreduce(tensor)`
+   (node-local shared memory, then MPI between the nodes), `mpilab.broadcast(tensor)`
+   and `mpilab.allgather(tensor, out=...)` (MPI's non-blocking collectives over every
+   rank, driven), mpi4py's blocking `Allreduce` / `Bcast` / `Allgather` and torch gloo's
+   `dist.all_reduce` / `broadcast` / `all_gather_into_tensor`, interleaved in one run
+   (every repeat runs the three in turn, the order rotating, each with three untimed
+   calls before its timed loop of about 20 ms: as many calls as fit, at most 1,000),
+   median of the slowest rank's time per repeat;
 2. start-to-ready of 4 ranks through ssh (`mpiexec -f hostfile`) and through Slurm
    (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped, torch.distributed
    ready) against a bare ipyparallel cluster on the same launcher (engines registered),
    alternating, median.
 
     .venv/bin/python benchmarks/bench_multinode.py [--repeats 15] [--starts 3] [--no-start]
-                                                   [--bind-to core|none]
+        [--ops allreduce,broadcast,allgather] [--bind-to core|none]
 
 The bandwidth run binds each rank to a core (`mpiexec -bind-to core`), as Slurm's task
 affinity and most MPI launchers do on real hosts. Here each emulated host's launcher
@@ -48,8 +52,11 @@ SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 BACKENDS = ("mpilab", "mpi4py", "gloo")
 
 
-def measure_on_ranks(repeats: int) -> None:
-    """Runs on every rank under mpiexec: prints rank 0's table."""
+OPS = ("allreduce", "broadcast", "allgather")
+
+
+def measure_on_ranks(repeats: int, ops: list[str]) -> None:
+    """Runs on every rank under mpiexec: prints rank 0's tables."""
     import mpilab
     import numpy as np
     import torch
@@ -57,45 +64,62 @@ def measure_on_ranks(repeats: int) -> None:
 
     ctx = mpilab.init()
     comm, n = ctx.comm, ctx.world_size
-    results: dict[tuple[str, int], list[float]] = {}
-    for size in SIZES:
-        count = size // 4
-        tensor = torch.zeros(count)  # zeros: sums repeated hundreds of times stay finite
-        array = np.zeros(count, dtype=np.float32)
-        out = np.empty_like(array)
-        calls = {
-            "mpilab": lambda t=tensor: mpilab.allreduce(t),
-            "mpi4py": lambda a=array, o=out: comm.Allreduce(a, o),
-            "gloo": lambda t=tensor: dist.all_reduce(t),
-        }
-        loops = {}
-        for name in BACKENDS:  # warm-up: plans, connections, pages
-            for _ in range(3):
-                calls[name]()
-            loops[name] = _loops_for(calls[name], comm)
-        for r in range(repeats):
-            order = BACKENDS[r % 3:] + BACKENDS[:r % 3]
-            for name in order:
-                for _ in range(3):  # after another backend's loop: its first calls
-                    calls[name]()  # wake what that loop left idle (peers, connections)
-                comm.Barrier()
-                start = time.perf_counter()
-                for _ in range(loops[name]):
-                    calls[name]()
-                took = (time.perf_counter() - start) / loops[name]
-                results.setdefault((name, size), []).append(comm.allreduce(took, op=_max()))
     nodes = len(set(comm.allgather(ctx.host)))
-    if ctx.rank != 0:
-        return
-    print(f"allreduce float32 sum, {n} ranks on {nodes} "
-          f"nodes, bus bandwidth GB/s (median of {repeats})")
-    print(f"{'size':>8} " + " ".join(f"{b:>8}" for b in BACKENDS) + "   mpilab/best peer")
-    for size in SIZES:
-        bw = {b: 2 * (n - 1) / n * size / statistics.median(results[(b, size)]) / 1e9
-              for b in BACKENDS}
-        best = max(bw["mpi4py"], bw["gloo"])
-        print(f"{_fmt(size):>8} " + " ".join(f"{bw[b]:8.3f}" for b in BACKENDS)
-              + f"   {bw['mpilab'] / best:5.2f}x")
+    for op in ops:
+        results: dict[tuple[str, int], list[float]] = {}
+        for size in SIZES:
+            calls = _calls(op, size // 4, comm, n, mpilab, np, torch, dist)
+            loops = {}
+            for name in BACKENDS:  # warm-up: plans, connections, pages
+                for _ in range(3):
+                    calls[name]()
+                loops[name] = _loops_for(calls[name], comm)
+            for r in range(repeats):
+                order = BACKENDS[r % 3:] + BACKENDS[:r % 3]
+                for name in order:
+                    for _ in range(3):  # after another backend's loop: its first calls
+                        calls[name]()  # wake what that loop left idle (peers, connections)
+                    comm.Barrier()
+                    start = time.perf_counter()
+                    for _ in range(loops[name]):
+                        calls[name]()
+                    took = (time.perf_counter() - start) / loops[name]
+                    results.setdefault((name, size), []).append(
+                        comm.allreduce(took, op=_max()))
+        if ctx.rank != 0:
+            continue
+        factor = {"allreduce": 2 * (n - 1) / n, "broadcast": 1.0, "allgather": n - 1}[op]
+        print(f"{op} float32, {n} ranks on {nodes} nodes, bus bandwidth GB/s "
+              f"(median of {repeats})")
+        print(f"{'size':>8} " + " ".join(f"{b:>8}" for b in BACKENDS) + "   mpilab/best peer")
+        for size in SIZES:
+            bw = {b: factor * size / statistics.median(results[(b, size)]) / 1e9
+                  for b in BACKENDS}
+            best = max(bw["mpi4py"], bw["gloo"])
+            print(f"{_fmt(size):>8} " + " ".join(f"{bw[b]:8.3f}" for b in BACKENDS)
+                  + f"   {bw['mpilab'] / best:5.2f}x", flush=True)
+
+
+def _calls(op: str, count: int, comm, n: int, mpilab, np, torch, dist) -> dict:
+    """The three backends' calls of `op` on `count` float32 values a rank (zeros: sums
+    repeated hundreds of times stay finite)."""
+    tensor = torch.zeros(count)
+    array = np.zeros(count, dtype=np.float32)
+    if op == "allreduce":
+        out = np.empty_like(array)
+        return {"mpilab": lambda: mpilab.allreduce(tensor),
+                "mpi4py": lambda: comm.Allreduce(array, out),
+                "gloo": lambda: dist.all_reduce(tensor)}
+    if op == "broadcast":
+        return {"mpilab": lambda: mpilab.broadcast(tensor, root=0),
+                "mpi4py": lambda: comm.Bcast(array, root=0),
+                "gloo": lambda: dist.broadcast(tensor, src=0)}
+    gathered = torch.empty((n, count))
+    out = np.empty((n, count), dtype=np.float32)
+    gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return {"mpilab": lambda: mpilab.allgather(tensor, out=gathered),
+            "mpi4py": lambda: comm.Allgather(array, out),
+            "gloo": lambda: gather_single(gathered.view(-1), tensor)}
 
 
 def _loops_for(call, comm, sample_s: float = 0.02) -> int:
@@ -119,14 +143,15 @@ def _fmt(n: int) -> str:
     return f"{n // MIB}M" if n >= MIB else f"{n >> 10}K"
 
 
-def bandwidth(cluster, repeats: int, bind: str) -> None:
+def bandwidth(cluster, repeats: int, bind: str, ops: str) -> None:
     hostfile = cluster.hostfile(slots_per_node=2, nodes=("node1", "node2"))
     env = {**os.environ, **cluster.env()}
     print(f"ranks bound: mpiexec -bind-to {bind}", flush=True)
     subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-f", str(hostfile),
                     "-bind-to", bind,
                     "-n", "4", sys.executable, __file__, "--on-ranks",
-                    "--repeats", str(repeats)], env=env, check=True, timeout=1800)
+                    "--repeats", str(repeats), "--ops", ops], env=env, check=True,
+                   timeout=3600)
 
 
 def start_times(cluster, starts: int) -> None:
@@ -198,20 +223,26 @@ def main() -> int:
     parser.add_argument("--repeats", type=count, default=15)
     parser.add_argument("--starts", type=count, default=3)
     parser.add_argument("--no-start", action="store_true", help="bandwidth only")
+    parser.add_argument("--ops", default="allreduce",
+                        help="comma-separated, of " + ", ".join(OPS) + " (default: allreduce)")
     parser.add_argument("--bind-to", choices=("core", "none"), default="core",
                         help="how mpiexec binds the bandwidth run's ranks (default: one "
                         "core each, as Slurm and most MPI launchers do)")
     parser.add_argument("--on-ranks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    ops = [op.strip() for op in args.ops.split(",") if op.strip()]
+    unknown = [op for op in ops if op not in OPS]
+    if unknown or not ops:
+        parser.error(f"--ops {args.ops!r}: choose from {', '.join(OPS)}")
     if args.on_ranks:
-        measure_on_ranks(args.repeats)
+        measure_on_ranks(args.repeats, ops)
         return 0
     from cluster import EmulatedCluster
 
     cluster = EmulatedCluster(("node1", "node2"))
     cluster.up()
     try:
-        bandwidth(cluster, args.repeats, args.bind_to)
+        bandwidth(cluster, args.repeats, args.bind_to, ",".join(ops))
         if not args.no_start:
             start_times(cluster, args.starts)
     finally:

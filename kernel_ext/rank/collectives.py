@@ -305,11 +305,11 @@ def _gather_into(gather: Callable[[np.ndarray, np.ndarray], None], send: np.ndar
 
 
 def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
-    wait_interruptibly(comm.Ibcast(raw, root=root))
+    plan_for(comm).wait(comm.Ibcast(raw, root=root))
 
 
 def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    wait_interruptibly(comm.Iallgather(send, recv))
+    plan_for(comm).wait(comm.Iallgather(send, recv))
 
 
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",
@@ -393,7 +393,7 @@ def broadcast(tensor: torch.Tensor, root: int = 0, backend: str = "auto") -> tor
             torch.no_grad():
         if chosen == "mpi":
             buf = _host_buffer(tensor, tensor.dtype)
-            wait_interruptibly(private_comm().Ibcast(_as_bytes(buf), root=root))
+            _mpi_broadcast(private_comm(), _as_bytes(buf), root)
             _copy_back(tensor, buf)
         else:
             import torch.distributed as dist
@@ -416,8 +416,8 @@ def allgather_json(obj: Any, what: str) -> list:
     displs = [0, *itertools.accumulate(sizes)][:-1]
     recv = bytearray(sum(sizes))
     with waiting.collective("allgather", len(data), what):
-        wait_interruptibly(private_comm().Iallgatherv(
-            [data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
+        comm = private_comm()
+        plan_for(comm).wait(comm.Iallgatherv([data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
     return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
 
 
@@ -469,7 +469,7 @@ def _allgather(tensor: torch.Tensor, backend: str, out: torch.Tensor | None) -> 
             send = _host_buffer(tensor, tensor.dtype)
             recv = result if result.device.type == "cpu" else \
                 torch.empty(shape, dtype=result.dtype, pin_memory=True)
-            wait_interruptibly(private_comm().Iallgather(_as_bytes(send), _as_bytes(recv)))
+            _mpi_allgather(private_comm(), _as_bytes(send), _as_bytes(recv))
             _copy_back(result, recv)
         else:
             import torch.distributed as dist
@@ -491,7 +491,7 @@ def barrier(backend: str = "auto") -> None:
             if route.path == "shm":
                 route.node.sync()  # MPI's Ibarrier, polled, takes ~50 µs on one node
             else:
-                wait_interruptibly(private_comm().Ibarrier())
+                route.wait(private_comm().Ibarrier())
         else:
             import torch.distributed as dist
 

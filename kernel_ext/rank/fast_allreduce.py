@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .shm import UFUNCS, ShmEngine
-from .waiting import check_abort, wait_interruptibly
+from .waiting import drive, drive_all, wait_interruptibly
 
 _KINDS = "fiu"
 _OPS = frozenset(("sum", "max", "min"))
@@ -98,6 +98,14 @@ class Plan:
         if self._scratch.nbytes < like.nbytes:
             self._scratch = np.empty(like.nbytes, dtype=np.uint8)
         return self._scratch[:like.nbytes].view(like.dtype)
+
+    def wait(self, request) -> None:
+        """Wait for an MPI request on this plan's communicator: driven where the ranks
+        span nodes (the transport moves data only while asked), else polled."""
+        if self.multi_node:
+            drive(request)
+        else:
+            wait_interruptibly(request)
 
     def close(self) -> None:
         if self.node is not None:
@@ -193,7 +201,7 @@ def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
     request = comm.Iallreduce(MPI.IN_PLACE, array, mpi_op)
     if between_nodes:
-        _drive(request)
+        drive(request)
     else:
         wait_interruptibly(request)
 
@@ -207,25 +215,6 @@ def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
         _mpi_allreduce(flat, op, plan.between, between_nodes=plan.multi_node)
 
 
-def _drive(request) -> None:
-    """Wait for a request whose data crosses the network: MPI moves it only while it is
-    asked (each Test is a step of the transport's progress), so keep asking, yielding
-    the core between asks, as MPI's own blocking wait would, and stay interruptible.
-    A backoff that sleeps between asks leaves a megabyte in flight for tens of ms."""
-    while not request.Test():
-        check_abort()
-        os.sched_yield()
-
-
-def _drive_all(requests: list) -> None:
-    """_drive for several requests at once."""
-    from mpi4py import MPI
-
-    while not MPI.Request.Testall(requests):
-        check_abort()
-        os.sched_yield()
-
-
 def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     """Allreduce over `comm` (a power-of-two count of ranks) by recursive doubling: at
     step k each rank swaps its whole buffer with rank ^ 2**k and combines. Both partners
@@ -237,7 +226,7 @@ def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     mask = 1
     while mask < size:
         peer = me ^ mask
-        _drive_all([comm.Irecv(incoming, peer, _EXCHANGE_TAG),
+        drive_all([comm.Irecv(incoming, peer, _EXCHANGE_TAG),
                     comm.Isend(flat, peer, _EXCHANGE_TAG)])
         combine(flat, incoming, out=flat)
         mask <<= 1

@@ -114,6 +114,26 @@ def wait_interruptibly(request) -> None:
     poll(request.Test)
 
 
+def drive(request) -> None:
+    """Wait for an mpi4py Request whose data crosses the network: MPI moves it only
+    while it is asked (each Test is a step of the transport's progress), so keep asking,
+    yielding the core between asks, as MPI's own blocking wait would, and stay
+    interruptible. A backoff that sleeps between asks leaves a megabyte in flight for
+    tens of ms."""
+    while not request.Test():
+        check_abort()
+        os.sched_yield()
+
+
+def drive_all(requests: list) -> None:
+    """drive() for several requests at once."""
+    from mpi4py import MPI
+
+    while not MPI.Request.Testall(requests):
+        check_abort()
+        os.sched_yield()
+
+
 def wait_event(event: threading.Event, check_s: float = 0.01) -> None:
     """Wait for a threading.Event set by another thread: woken at once when it is set
     (no polling delay), and checking for an abort every `check_s`."""
