@@ -288,6 +288,43 @@ def test_between_nodes_by_node_count_and_fill(n, exchange, spread):
                for res in results)
 
 
+ACROSS = """
+import torch
+from mpilab.rank import across_nodes
+from mpilab.rank.collectives import private_comm
+from mpilab.rank.fast_allreduce import plan_for
+
+r, n = ctx.rank, ctx.world_size
+places = plan_for(private_comm()).places
+failures = []
+# a part of ALLGATHER_MIN_BYTES or more goes through the nodes and leaders, a smaller
+# one through MPI's allgather; the broadcast goes through them at every size
+for count in (1, 1000, across_nodes.ALLGATHER_MIN_BYTES // 4 + 5):
+    want = torch.arange(count, dtype=torch.float32)
+    for root in range(n):
+        t = want + 10 * r
+        mpilab.broadcast(t, root=root)
+        if not torch.equal(t, want + 10 * root):
+            failures.append(f"broadcast count={count} root={root}")
+    got = mpilab.allgather(want + r)
+    if not all(torch.equal(got[q], want + q) for q in range(n)):
+        failures.append(f"allgather count={count}")
+report_in_turn({"failures": failures, "leaders": sorted(set(places.leader_of)),
+                "spans": places.spans})
+"""
+
+
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
+    # nodes of 2 emulated ranks (the last one holding 1 where n is odd): the leaders
+    # pass a broadcast down a binomial tree (3 leaders: not a power of two) and an
+    # allgather's blocks round a ring
+    results = run_ranks(IN_TURN + ACROSS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    spans = [[first, min(2, n - first)] for first in range(0, n, 2)]
+    assert all(res == {"failures": [], "leaders": list(range(len(spans))), "spans": spans}
+               for res in results), results
+
+
 INTERRUPT = """
 import os, signal, threading, time
 import numpy as np

@@ -156,7 +156,7 @@ def test_ssh_broadcast_and_allgather_between_hosts_are_right_and_not_slow(ssh_ra
     call at most (a wait that slept between MPI's progress steps took 30 times as long)."""
     code = ("%%ranks\nimport time, numpy as np, torch\nok = True\n"
             "for root in range(4):\n"
-            "    for n in (3, 1 << 18):\n"
+            "    for n in (3, 1 << 18, 1 << 20):\n"
             "        t = torch.full((n,), float(rank))\n"
             "        mpilab.broadcast(t, root=root)\n"
             "        ok = ok and bool((t == root).all())\n"

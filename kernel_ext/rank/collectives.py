@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import reduction, torch_group, waiting
+from . import across_nodes, reduction, torch_group, waiting
 from ._collective import planned, run_planned
 from .context import context, is_initialized
 from .fast_allreduce import plan_for, reducer
@@ -305,11 +305,24 @@ def _gather_into(gather: Callable[[np.ndarray, np.ndarray], None], send: np.ndar
 
 
 def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
-    plan_for(comm).wait(comm.Ibcast(raw, root=root))
+    """Over several nodes with shared memory within them, through it and the nodes'
+    leaders (`across_nodes`); else MPI's broadcast over every rank."""
+    route = plan_for(comm)
+    if route.places is not None:
+        across_nodes.broadcast(route, raw, root)
+    else:
+        route.wait(comm.Ibcast(raw, root=root))
 
 
 def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    plan_for(comm).wait(comm.Iallgather(send, recv))
+    """As _mpi_broadcast, where every node's ranks are consecutive and each rank's part
+    is large (`across_nodes.ALLGATHER_MIN_BYTES`)."""
+    route = plan_for(comm)
+    if route.places is not None and route.places.spans is not None and \
+            send.nbytes >= across_nodes.ALLGATHER_MIN_BYTES:
+        across_nodes.allgather(route, send, recv)
+    else:
+        route.wait(comm.Iallgather(send, recv))
 
 
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",

@@ -68,6 +68,21 @@ _EXCHANGE_TAG = 0x6D6C
 # at 64 KiB.
 SPLIT_MIN_BYTES = 48 << 10
 
+
+@dataclass
+class Places:
+    """Where each rank of a communicator over several nodes sits, for the broadcast and
+    the allgather that go through each node's shared memory and one leader per node
+    (`across_nodes`)."""
+
+    rank: int  # this rank's
+    leader_of: list[int]  # by rank: the rank of its node's leader among the leaders
+    node_rank_of: list[int]  # by rank: its rank within its node
+    # by leader: (first rank, rank count) of its node, where every node holds consecutive
+    # ranks (an allgather's node block is then one slice of the result); else None
+    spans: list[tuple[int, int]] | None
+
+
 @dataclass
 class Plan:
     """How allreduce_inplace runs on one communicator (created once per communicator)."""
@@ -84,6 +99,7 @@ class Plan:
     # where every node holds as many ranks and the node count is a power of two: the
     # ranks with this rank's node rank, one per node (`_spread` reduces over them)
     peers: object | None = None
+    places: Places | None = None  # on the hierarchical path
 
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
@@ -188,7 +204,23 @@ def _make_plan(comm) -> Plan:
             len(set(comm.allgather(node_comm.Get_size()))) == 1:  # every node as full
         peers = comm.Split(node_rank, comm.Get_rank())
     between = leaders if shared else comm.Dup()
-    return Plan(shared, node, node_comm, leaders, nodes > 1, between, peers)
+    places = _places(comm, node_comm, leaders) if shared and nodes > 1 else None
+    return Plan(shared, node, node_comm, leaders, nodes > 1, between, peers, places)
+
+
+def _places(comm, node_comm, leaders) -> Places:
+    """Every rank's node leader and node rank, and the nodes' spans of ranks where
+    each node's are consecutive (collective on `comm`)."""
+    leader = node_comm.bcast(leaders.Get_rank() if leaders is not None else -1, root=0)
+    members = node_comm.allgather(comm.Get_rank())
+    consecutive = members == list(range(members[0], members[0] + len(members)))
+    every = comm.allgather((leader, node_comm.Get_rank(), members[0], len(members),
+                            consecutive))
+    spans = {lead: (first, count) for lead, _, first, count, _ in every}
+    return Places(comm.Get_rank(), [lead for lead, *_ in every],
+                  [node_rank for _, node_rank, *_ in every],
+                  [spans[lead] for lead in sorted(spans)]
+                  if all(ok for *_, ok in every) else None)
 
 
 def _power_of_two(n: int) -> bool:
