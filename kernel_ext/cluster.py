@@ -27,6 +27,7 @@ from .metrics_store import MetricsStore
 from .placement import ClusterError
 from .rank_input import InputDesk
 from .receiver import RecordReceiver
+from .selection import rank_label
 from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports, gpu_spec
 
 LAUNCHERS = ("mpi", "slurm")
@@ -426,8 +427,8 @@ class RankCluster:
         if not self.running:
             raise ClusterError("no ranks are running: start them with `%mpilab start -n N`")
         if self.dead:
-            ranks = ", ".join(str(r) for r in sorted(self.dead))
-            raise ClusterError(f"rank {ranks} died ({next(iter(self.dead.values()))}): "
+            raise ClusterError(f"{rank_label(sorted(self.dead))} died "
+                               f"({next(iter(self.dead.values()))}): "
                                "`%mpilab restart` brings back a full cluster")
 
     def recover(self, timeout: float = 15.0) -> bool:

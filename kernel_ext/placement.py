@@ -96,6 +96,31 @@ def batch_script(settings: SlurmSettings, mpiexec: str) -> str:
 SLURM_MPIEXEC_ARGS = ("-launcher", "slurm", "-launcher-exec", "srun", "-rmk", "slurm")
 
 
+# what slurmstepd writes into a job's output when Slurm ends it: "*** JOB 5 ON node1
+# CANCELLED AT 2026-12-04T18:21:49 DUE TO TIME LIMIT ***" (a step's: "STEP 5.0"; older
+# versions leave out "ON node1"; no reason: cancelled by a user, scancel)
+_SLURM_ENDED = re.compile(r"\*\*\* (?:JOB|STEP) (?P<job>\d+)(?:\.\S+)?(?: ON \S+)? "
+                          r"CANCELLED AT \S*?T?(?P<at>\d\d:\d\d:\d\d)\S*"
+                          r"(?: DUE TO (?P<why>[A-Z ]+))?")
+# the reason's words -> (what befell the job, what the user can do about it)
+_SLURM_WHY = {"TIME LIMIT": ("reached its time limit", "`%mpilab start --time` sets it"),
+              "PREEMPTION": ("was preempted", ""), "NODE FAILURE": ("lost a node", ""),
+              "JOB REQUEUE": ("was requeued", "")}
+
+
+def slurm_job_ended(output: str) -> str | None:
+    """Why Slurm ended the job whose output this is ('the Slurm job 5 reached its time
+    limit at 18:21:49 (…)'), or None where it says nothing of the kind."""
+    found = _SLURM_ENDED.search(output)
+    if found is None:
+        return None
+    why = (found["why"] or "").strip()
+    what, hint = _SLURM_WHY.get(why, (f"was cancelled ({why.lower()})" if why
+                                      else "was cancelled", ""))
+    return f"the Slurm job {found['job']} {what} at {found['at']}" + \
+        (f" ({hint})" if hint else "")
+
+
 def in_allocation() -> bool:
     """An existing allocation (salloc, or a batch job's shell) that ranks go into."""
     return bool(os.environ.get("SLURM_JOB_ID"))

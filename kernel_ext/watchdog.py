@@ -16,6 +16,7 @@ from typing import Literal
 
 from .cell_window import CellWindow
 from .cluster import engine_alive
+from .placement import slurm_job_ended
 from .selection import rank_label
 from .wire import exit_reports
 
@@ -229,10 +230,11 @@ class Watchdog:
                 if not engine_alive(proc):
                     dead[rank] = self._cause(rank)
             if self._remote:  # their supervisors' reports reach the launcher's output
-                reported = reported_causes(self.cluster.engine_output(lines=200))
+                output = self.cluster.engine_output(lines=200)
+                reported, ended = reported_causes(output), slurm_job_ended(output)
                 for rank in self._remote:
                     info = self._info[rank]
-                    cause = reported.get((info["host"], info["pid"]))
+                    cause = ended or reported.get((info["host"], info["pid"]))
                     if cause is not None:
                         dead[rank] = cause
         store = self.cluster.store
@@ -242,6 +244,17 @@ class Watchdog:
         if silent and max(silent.values()) > DEAD_HEARTBEAT_S:
             dead.update((r, f"{SILENT_PREFIX} for {age:.0f} s") for r, age in silent.items())
         return dead
+
+    def _death_lines(self, dead: dict[int, str]) -> list[str]:
+        """A line a rank, or one for all the ranks a Slurm job's end took with it."""
+        lines, together = [], {}
+        for rank, cause in sorted(dead.items()):
+            if cause.startswith("the Slurm job "):
+                together.setdefault(cause, []).append(rank)
+            else:
+                lines.append(self._death_line(rank, cause))
+        return [f"{rank_label(ranks)} ended: {cause}" for cause, ranks in together.items()] \
+            + lines
 
     def _death_line(self, rank: int, cause: str) -> str:
         info = self._info.get(rank, {})
@@ -256,7 +269,8 @@ class Watchdog:
         deadline = time.monotonic() + MPIEXEC_REPORT_WAIT_S
         while True:
             output = self.cluster.engine_output(lines=200)
-            cause = reported_causes(output).get((info["host"], info["pid"]), UNKNOWN_CAUSE)
+            cause = slurm_job_ended(output) or \
+                reported_causes(output).get((info["host"], info["pid"]), UNKNOWN_CAUSE)
             if cause != UNKNOWN_CAUSE or time.monotonic() > deadline:
                 return cause
             time.sleep(0.1)
@@ -270,8 +284,7 @@ class Watchdog:
                 for r, cause in dead.items():
                     if cause == UNKNOWN_CAUSE:
                         dead[r] = f"ended by mpiexec after rank {known[0]} died"
-            lines = [self._death_line(r, cause) for r, cause in sorted(dead.items())]
-            return Verdict("dead", lines, dead=dead)
+            return Verdict("dead", self._death_lines(dead), dead=dead)
         running = [r for r in self.ranks if r not in finished]
         if not running:
             return None

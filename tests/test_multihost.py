@@ -8,6 +8,7 @@ One cluster of ranks is shared by the tests of each launcher where state allows.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import signal
@@ -443,6 +444,29 @@ def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulat
         again.text
     stopped = slurm_kernel.run("%mpilab stop", timeout=120)
     assert stopped.ok, stopped.text
+    assert emulated_cluster.squeue() == []
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
+def test_slurm_time_limit_reached_in_a_cell_is_named_as_such(slurm_kernel, emulated_cluster):
+    """The job reaches its time limit while a cell runs: the notebook says so within
+    seconds of Slurm's cancel, in one line (not four ranks that cannot be reached), and
+    nothing is left on the nodes."""
+    run = slurm_kernel.run("%mpilab start -n 4 --launcher slurm --partition debug --time 1 "
+                           "--nodes 2 --tasks-per-node 2", timeout=240)
+    assert run.ok, run.text
+    run = slurm_kernel.run("%%ranks\nimport time\nfor _ in range(300):\n    time.sleep(1)",
+                           timeout=400)
+    assert not run.ok
+    said = re.search(r"ranks 0-3 ended: the Slurm job \d+ reached its time limit at "
+                     r"(\d\d:\d\d:\d\d) \(`%mpilab start --time` sets it\)", run.text)
+    assert said and "no heartbeat" not in run.text, run.text
+    cancelled = datetime.datetime.combine(datetime.date.today(),
+                                          datetime.time.fromisoformat(said[1]))
+    assert run.finished - cancelled.timestamp() < 4.0, run.text
+    after = slurm_kernel.run("%%ranks\nprint(rank)")
+    assert "ranks 0-3 died (the Slurm job" in after.text, after.text
+    assert slurm_kernel.run("%mpilab stop", timeout=120).ok
     assert emulated_cluster.squeue() == []
     assert not wait_nothing_left(emulated_cluster, 10)
 

@@ -764,6 +764,54 @@ def test_a_collective_waiting_for_ranks_that_run_no_cell_is_released_at_once(mon
         .check(102.0, {}) is None
 
 
+@pytest.mark.parametrize("output, said", [
+    ("slurmstepd-node1: error: *** JOB 5 ON node1 CANCELLED AT 2026-12-04T18:21:49 DUE TO "
+     "TIME LIMIT ***", "the Slurm job 5 reached its time limit at 18:21:49 (`%mpilab start "
+     "--time` sets it)"),
+    ("slurmstepd: error: *** STEP 5.0 ON node1 CANCELLED AT 2026-12-04T18:21:49 DUE TO "
+     "PREEMPTION ***", "the Slurm job 5 was preempted at 18:21:49"),
+    ("*** JOB 77 ON gpu01 CANCELLED AT 2026-12-04T18:21:49 DUE TO NODE FAILURE, SEE "
+     "SLURMCTLD LOG FOR DETAILS ***", "the Slurm job 77 lost a node at 18:21:49"),
+    ("*** JOB 12 CANCELLED AT 2026-12-04T01:02:03 DUE TO TIME LIMIT ***",  # older Slurm
+     "the Slurm job 12 reached its time limit at 01:02:03 (`%mpilab start --time` sets it)"),
+    ("slurmstepd: error: *** JOB 9 ON node2 CANCELLED AT 2026-12-04T18:21:49 ***",
+     "the Slurm job 9 was cancelled at 18:21:49"),
+    ("2026-12-04 18:20:38.391 [IPEngine.3] Starting nanny", None),
+])
+def test_why_slurm_ended_a_job_is_read_from_its_output(output, said):
+    from mpilab.placement import slurm_job_ended
+
+    assert slurm_job_ended(output) == said
+
+
+class _SlurmJobCluster(_QuietCluster):
+    """Four ranks on two hosts in a Slurm job whose output says how it ended."""
+
+    def __init__(self, output: str):
+        super().__init__()
+        self.store = MetricsStore(world_size=4)
+        self.ranks = [{"rank": r, "host": f"node{1 + r // 2}", "pid": 100 + r}
+                      for r in range(4)]
+        self.output = output
+
+    def engine_output(self, lines: int = 15) -> str:
+        return self.output
+
+
+def test_ranks_a_slurm_job_took_with_it_are_named_together_with_the_reason():
+    """The time limit ends every rank at once: one line that says so, at once, not four
+    ranks that stopped sending heartbeats."""
+    quiet = _SlurmJobCluster("[IPEngine.0] Handling execute_request: 1")
+    assert Watchdog(quiet, [0, 1, 2, 3], 30.0, CellWindow(since=0.0)).check(1.0, {}) is None
+    ended = _SlurmJobCluster(
+        "slurmstepd-node1: error: *** JOB 5 ON node1 CANCELLED AT 2026-12-04T18:21:49 DUE "
+        "TO TIME LIMIT ***\n[IPEngine.1] CRITICAL | received signal 15, stopping")
+    verdict = Watchdog(ended, [0, 1, 2, 3], 30.0, CellWindow(since=0.0)).check(1.0, {})
+    assert verdict.kind == "dead" and sorted(verdict.dead) == [0, 1, 2, 3]
+    assert verdict.lines == ["ranks 0-3 ended: the Slurm job 5 reached its time limit at "
+                             "18:21:49 (`%mpilab start --time` sets it)"]
+
+
 @pytest.mark.parametrize("code, awaits", [
     ("import asyncio\nawait asyncio.sleep(0)", True),
     ("%time x = 1\nawait f()", True),  # read as IPython reads it
