@@ -20,6 +20,7 @@ from .cluster import (
     engine_alive,
     interrupts_held,
 )
+from .placement import slurm_job_ended
 from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
@@ -375,14 +376,20 @@ def live_rank_info(cluster) -> Callable[[], list[dict]]:
     shown = [dict(info) for info in ranks]
     here = socket.gethostname()
     procs = cluster.local_processes()  # a rank of this host without one had ended
+    in_job = cluster.config.launcher == "slurm"
+    job_ended: list[str] = []  # why Slurm ended the ranks' job, once its output says
 
     def rank_info() -> list[dict]:
         if cluster.ranks is not ranks:
             return [dict(info, dead="stopped (`%mpilab start` or `restart` brings ranks back)",
                          stopped=True) for info in shown]
+        if in_job and not job_ended:
+            ended = slurm_job_ended(cluster.engine_output(lines=200))
+            if ended:
+                job_ended.append(ended)
         now = []
         for info in shown:
-            dead = cluster.dead.get(info["rank"], "")
+            dead = cluster.dead.get(info["rank"], "") or (job_ended[0] if job_ended else "")
             if not dead and info.get("host") == here \
                     and not engine_alive(procs.get(info["rank"])):
                 dead = "its process has ended"

@@ -471,6 +471,28 @@ def test_slurm_time_limit_reached_in_a_cell_is_named_as_such(slurm_kernel, emula
     assert not wait_nothing_left(emulated_cluster, 10)
 
 
+def test_slurm_job_cancelled_while_idle_is_named_by_status_and_the_next_cell(
+        slurm_kernel, emulated_cluster):
+    """`scancel` from outside while no cell runs: `%mpilab status` names the job's end,
+    and so does the next cell, at once."""
+    run = slurm_kernel.run(SLURM_START, timeout=240)
+    assert run.ok, run.text
+    job = emulated_cluster.squeue()[0]["id"]
+    emulated_cluster.slurm_cmd("scancel", job)
+    deadline = time.monotonic() + 30
+    while emulated_cluster.squeue() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cancelled = f"the Slurm job {job} was cancelled at "
+    status = slurm_kernel.run("%mpilab status")
+    assert status.text.count(f"dead: {cancelled}") == 4, status.text
+    started = time.monotonic()
+    run = slurm_kernel.run("%%ranks\nprint(rank)", timeout=120)
+    assert not run.ok and f"ranks 0-3 ended: {cancelled}" in run.text, run.text
+    assert time.monotonic() - started < 5, run.text
+    assert slurm_kernel.run("%mpilab stop", timeout=120).ok
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
 def test_slurm_bad_partition_is_sbatch_s_line(slurm_kernel, emulated_cluster):
     run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --partition nosuch", timeout=120)
     assert not run.ok
