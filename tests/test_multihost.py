@@ -101,6 +101,14 @@ def wait_nothing_left(cluster, timeout: float) -> dict[str, dict[int, str]]:
         time.sleep(0.2)
 
 
+def stopped(kernel: Kernel, code: str, after_s: float, timeout: float = 120):
+    """Run `code` and press the stop button `after_s` into it: the run, and how long the
+    cell took."""
+    started = time.monotonic()
+    run = kernel.run(code, timeout=timeout, interrupt_after=after_s)
+    return run, time.monotonic() - started
+
+
 def rank_lines(run) -> list[str]:
     return [line for line in run.stdout.splitlines() if line.startswith("[rank")]
 
@@ -239,9 +247,7 @@ def test_ssh_the_stop_button_interrupts_the_ranks_on_both_hosts(ssh_ranks):
     seconds and keeps its state."""
     code = ("%%ranks\nimport time, torch\nkept = 40 + 3\n"
             "if rank >= 2:\n    time.sleep(60)\nmpilab.allreduce(torch.ones(4))\nprint('never')")
-    started = time.monotonic()
-    run = ssh_ranks.run(code, timeout=120, interrupt_after=2.0)
-    took = time.monotonic() - started
+    run, took = stopped(ssh_ranks, code, after_s=2.0)
     assert not run.ok and took < 10, (took, run.text)
     for r in range(4):
         assert f"[rank {r}] interrupted" in run.error_text, run.text
@@ -256,9 +262,7 @@ def test_ssh_the_stop_button_with_a_rank_in_a_blocking_call_on_node2_restarts_al
     names it and restarts every rank on both hosts, in one report, within seconds."""
     code = ("%%ranks\nfrom mpi4py import MPI\nimport numpy as np\nif rank == 3:\n"
             "    MPI.COMM_WORLD.Recv(np.zeros(1), source=0, tag=5)  # nothing is sent")
-    started = time.monotonic()
-    run = ssh_ranks.run(code, timeout=180, interrupt_after=1.5)
-    took = time.monotonic() - started
+    run, took = stopped(ssh_ranks, code, after_s=1.5, timeout=180)
     assert not run.ok and took < 40, (took, run.text)
     assert "Traceback" not in run.text, run.text
     assert "rank 3 was at cell line 4: MPI.COMM_WORLD.Recv" in run.text and \
