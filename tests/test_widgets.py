@@ -617,20 +617,26 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
     import subprocess
     import sys
 
-    from mpilab.cluster import local_processes
+    from mpilab.cluster import ClusterConfig, local_processes
     from mpilab.session import live_rank_info
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         class Cluster:
+            config = ClusterConfig(n=2)
             ranks = [{"rank": 0, "host": socket.gethostname(), "pid": proc.pid,
                       "device": "cpu"},
                      {"rank": 1, "host": "elsewhere", "pid": 1, "device": "cpu"}]
             dead: dict[int, str] = {}
+            output = ""
 
             @staticmethod
             def local_processes() -> dict:  # as RankCluster makes them at start
                 return local_processes(Cluster.ranks)
+
+            @staticmethod
+            def engine_output(lines: int = 15) -> str:
+                return Cluster.output
 
         info = live_rank_info(Cluster)
         assert [i["dead"] for i in info()] == ["", ""]
@@ -641,6 +647,15 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
         assert info()[1]["dead"] == "no heartbeat for 6 s"
         Cluster.ranks = []  # stopped
         assert all(i["stopped"] and i["dead"].startswith("stopped") for i in info())
+        # ranks in a Slurm job that Slurm ended while no cell ran: its output says why
+        Cluster.config = ClusterConfig(n=2, launcher="slurm")
+        Cluster.ranks, Cluster.dead = [{"rank": r, "host": "node1", "pid": 10 + r,
+                                        "device": "cpu"} for r in range(2)], {}
+        info = live_rank_info(Cluster)
+        assert [i["dead"] for i in info()] == ["", ""]
+        Cluster.output = ("slurmstepd: error: *** JOB 8 ON node1 CANCELLED AT "
+                          "2026-12-04T18:21:49 ***")
+        assert [i["dead"] for i in info()] == ["the Slurm job 8 was cancelled at 18:21:49"] * 2
     finally:
         proc.kill()
         proc.wait()
