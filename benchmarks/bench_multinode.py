@@ -58,9 +58,6 @@ OPS = ("allreduce", "broadcast", "allgather")
 def measure_on_ranks(repeats: int, ops: list[str]) -> None:
     """Runs on every rank under mpiexec: prints rank 0's tables."""
     import mpilab
-    import numpy as np
-    import torch
-    import torch.distributed as dist
 
     ctx = mpilab.init()
     comm, n = ctx.comm, ctx.world_size
@@ -68,7 +65,7 @@ def measure_on_ranks(repeats: int, ops: list[str]) -> None:
     for op in ops:
         results: dict[tuple[str, int], list[float]] = {}
         for size in SIZES:
-            calls = _calls(op, size // 4, comm, n, mpilab, np, torch, dist)
+            calls = _calls(op, size // 4, comm, n)
             loops = {}
             for name in BACKENDS:  # warm-up: plans, connections, pages
                 for _ in range(3):
@@ -100,9 +97,14 @@ def measure_on_ranks(repeats: int, ops: list[str]) -> None:
                   + f"   {bw['mpilab'] / best:5.2f}x", flush=True)
 
 
-def _calls(op: str, count: int, comm, n: int, mpilab, np, torch, dist) -> dict:
+def _calls(op: str, count: int, comm, n: int) -> dict:
     """The three backends' calls of `op` on `count` float32 values a rank (zeros: sums
-    repeated hundreds of times stay finite)."""
+    repeated hundreds of times stay finite), on `n` ranks."""
+    import mpilab
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
     tensor = torch.zeros(count)
     array = np.zeros(count, dtype=np.float32)
     if op == "allreduce":

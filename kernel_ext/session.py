@@ -377,19 +377,18 @@ def live_rank_info(cluster) -> Callable[[], list[dict]]:
     here = socket.gethostname()
     procs = cluster.local_processes()  # a rank of this host without one had ended
     in_job = cluster.config.launcher == "slurm"
-    job_ended: list[str] = []  # why Slurm ended the ranks' job, once its output says
+    job_ended = ""  # why Slurm ended the ranks' job, once its output says
 
     def rank_info() -> list[dict]:
+        nonlocal job_ended
         if cluster.ranks is not ranks:
             return [dict(info, dead="stopped (`%mpilab start` or `restart` brings ranks back)",
                          stopped=True) for info in shown]
         if in_job and not job_ended:
-            ended = slurm_job_ended(cluster.engine_output(lines=200))
-            if ended:
-                job_ended.append(ended)
+            job_ended = slurm_job_ended(cluster.engine_output(lines=200)) or ""
         now = []
         for info in shown:
-            dead = cluster.dead.get(info["rank"], "") or (job_ended[0] if job_ended else "")
+            dead = cluster.dead.get(info["rank"], "") or job_ended
             if not dead and info.get("host") == here \
                     and not engine_alive(procs.get(info["rank"])):
                 dead = "its process has ended"

@@ -206,6 +206,7 @@ class Watchdog:
         # no hang is called before this time (epoch s): ranks of this cell wait for the
         # user's answer to a rank's input() or debugger prompt, or have just had it
         self._hangs_held_until = 0.0
+        self._job_ended: str | None = None  # why Slurm ended the ranks' job, once seen
 
     def hold_hangs(self, until: float) -> None:
         """Call no hang before `until` (epoch s; inf: until told otherwise): the ranks wait
@@ -231,7 +232,7 @@ class Watchdog:
                     dead[rank] = self._cause(rank)
             if self._remote:  # their supervisors' reports reach the launcher's output
                 output = self.cluster.engine_output(lines=200)
-                reported, ended = reported_causes(output), slurm_job_ended(output)
+                reported, ended = reported_causes(output), self._ended_by_slurm(output)
                 for rank in self._remote:
                     info = self._info[rank]
                     cause = ended or reported.get((info["host"], info["pid"]))
@@ -245,16 +246,17 @@ class Watchdog:
             dead.update((r, f"{SILENT_PREFIX} for {age:.0f} s") for r, age in silent.items())
         return dead
 
+    def _ended_by_slurm(self, output: str) -> str | None:
+        """Why Slurm ended the ranks' job, as the launcher's output says (kept: the
+        verdict names the ranks it took in one line)."""
+        self._job_ended = slurm_job_ended(output) or self._job_ended
+        return self._job_ended
+
     def _death_lines(self, dead: dict[int, str]) -> list[str]:
         """A line a rank, or one for all the ranks a Slurm job's end took with it."""
-        lines, together = [], {}
-        for rank, cause in sorted(dead.items()):
-            if cause.startswith("the Slurm job "):
-                together.setdefault(cause, []).append(rank)
-            else:
-                lines.append(self._death_line(rank, cause))
-        return [f"{rank_label(ranks)} ended: {cause}" for cause, ranks in together.items()] \
-            + lines
+        ended = [r for r, cause in sorted(dead.items()) if cause == self._job_ended]
+        return ([f"{rank_label(ended)} ended: {self._job_ended}"] if ended else []) + \
+            [self._death_line(r, cause) for r, cause in sorted(dead.items()) if r not in ended]
 
     def _death_line(self, rank: int, cause: str) -> str:
         info = self._info.get(rank, {})
@@ -269,7 +271,7 @@ class Watchdog:
         deadline = time.monotonic() + MPIEXEC_REPORT_WAIT_S
         while True:
             output = self.cluster.engine_output(lines=200)
-            cause = slurm_job_ended(output) or \
+            cause = self._ended_by_slurm(output) or \
                 reported_causes(output).get((info["host"], info["pid"]), UNKNOWN_CAUSE)
             if cause != UNKNOWN_CAUSE or time.monotonic() > deadline:
                 return cause

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .fast_allreduce import Plan
-from .waiting import drive_all
+from .waiting import drive, drive_all
 
 _TAG = 0x6D62  # the leaders' communicator carries the allreduce's exchange too (its own tag)
 # An allgather goes this way from this size of each rank's part: below it, its three
@@ -51,7 +51,7 @@ def _leaders_broadcast(comm, flat: np.ndarray, root: int) -> None:
     mask = 1
     while mask < size:
         if me & mask:
-            drive_all([comm.Irecv(flat, (me - mask + root) % size, _TAG)])
+            drive(comm.Irecv(flat, (me - mask + root) % size, _TAG))
             break
         mask <<= 1
     sends = []

@@ -85,7 +85,9 @@ class Places:
 
 @dataclass
 class Plan:
-    """How allreduce_inplace runs on one communicator (created once per communicator)."""
+    """How allreduce_inplace runs on one communicator (created once per communicator),
+    and what mpilab's other collectives on it need: how to wait for an MPI request, and
+    where each rank sits across nodes (`across_nodes`)."""
 
     shm: bool  # every rank agreed that shared memory works
     node: ShmEngine | None  # this node's engine; None when the rank is alone on its node
@@ -227,15 +229,13 @@ def _power_of_two(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def _mpi_allreduce(array: np.ndarray, op: str, comm, between_nodes: bool = False) -> None:
+def _mpi_allreduce(array: np.ndarray, op: str, comm, plan: Plan) -> None:
+    """MPI's Iallreduce over `comm` (the plan's, or a part of it), waited for as the
+    plan waits."""
     from mpi4py import MPI
 
     mpi_op = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op]
-    request = comm.Iallreduce(MPI.IN_PLACE, array, mpi_op)
-    if between_nodes:
-        drive(request)
-    else:
-        wait_interruptibly(request)
+    plan.wait(comm.Iallreduce(MPI.IN_PLACE, array, mpi_op))
 
 
 def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
@@ -244,7 +244,7 @@ def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
     if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
         _exchange_allreduce(flat, op, plan.between, plan)
     else:
-        _mpi_allreduce(flat, op, plan.between, between_nodes=plan.multi_node)
+        _mpi_allreduce(flat, op, plan.between, plan)
 
 
 def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
@@ -345,4 +345,4 @@ def _among_peers(part: np.ndarray, op: str, plan: Plan) -> None:
     if plan.peers.Get_size() == 2 or part.nbytes <= EXCHANGE_MAX_BYTES:
         _exchange_allreduce(part, op, plan.peers, plan)
     else:
-        _mpi_allreduce(part, op, plan.peers, between_nodes=True)
+        _mpi_allreduce(part, op, plan.peers, plan)
