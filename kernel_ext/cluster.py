@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import lifeline, placement
+from . import host_check, lifeline, placement
 from .metrics_store import MetricsStore
 from .placement import ClusterError
 from .rank_input import InputDesk
@@ -162,6 +162,8 @@ class RankCluster:
     input_desk: InputDesk | None = None  # where the ranks' input() asks the notebook
     _lifeline: lifeline.Lifeline | None = None
     _local: dict | None = None  # local_processes(), made once per start
+    # the paths every rank's host needs, asked of the hosts where a start fails
+    _needed: list[host_check.Needed] = field(default_factory=list)
 
     @property
     def running(self) -> bool:
@@ -187,6 +189,7 @@ class RankCluster:
         self.generation += 1
         into_allocation = cfg.launcher == "slurm" and placement.in_allocation()
         mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
+        self._needed = host_check.needed(mpiexec)
         if into_allocation:
             held = placement.allocation_tasks()
             if held is not None and held < cfg.n:
@@ -245,7 +248,8 @@ class RankCluster:
             cluster.config[launcher].engine_cmd = engine_cmd
         if batch:
             slurm = cluster.config.SlurmEngineSetLauncher
-            slurm.batch_template = placement.batch_script(cfg.slurm, mpiexec)
+            slurm.batch_template = placement.batch_script(
+                cfg.slurm, mpiexec, host_check.probe_script(self._needed))
             # the script beside the cluster's other files, not in the notebook's folder
             # (the job itself starts in the notebook's folder, as the ranks' cwd)
             scripts = Path(cluster.profile_dir) / "log"
@@ -302,6 +306,11 @@ class RankCluster:
                         return "mpiexec exited"
                 except Exception:  # noqa: BLE001 - gone between the two looks
                     return "mpiexec exited"
+        # in a Slurm job or allocation, a proxy srun could not start leaves mpiexec
+        # waiting for it
+        failed = _SRUN_TASK_FAILED.search(self.engine_output(lines=None))
+        if failed:
+            return f"srun's task on {failed['node']} exited with code {failed['code']}"
         return None
 
     def _job_state_note(self) -> str:
@@ -318,7 +327,7 @@ class RankCluster:
         output = self.engine_output(lines=200)
         what = str(error).splitlines()[0] if str(error) else type(error).__name__
         msg = f"the ranks did not start ({what})"
-        cause = telling_line(output)
+        cause = self._what_hosts_lack(self.engine_output(lines=None)) or telling_line(output)
         if cause:
             msg += f": {cause}"
         elif output:
@@ -328,6 +337,18 @@ class RankCluster:
             msg += f" (the launcher's whole output: {log})"
         return msg
 
+    def _what_hosts_lack(self, output: str) -> str | None:
+        """Which host lacks the folder or the environment the ranks need, where one
+        does: as the Slurm job's nodes answered in its output, else each host of the
+        hostfile asked over ssh (unless ssh already said why it failed)."""
+        cfg = self.config
+        missing = host_check.read_answers(output, self._needed)
+        if not missing and cfg.hostfile and not said_by_a_tool(output):
+            hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
+                     if not placement.is_this_host(host)]
+            missing = host_check.ask_over_ssh(hosts, self._needed)
+        return host_check.lacking_line(missing)
+
     def engine_log_path(self) -> str | None:
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
             path = getattr(engine_set, "output_file", None)
@@ -335,8 +356,9 @@ class RankCluster:
                 return str(path)
         return None
 
-    def engine_output(self, lines: int = 15) -> str:
-        """The last lines the engine launcher (mpiexec and the engines) wrote."""
+    def engine_output(self, lines: int | None = 15) -> str:
+        """The last lines the engine launcher (mpiexec and the engines) wrote (None:
+        all of them)."""
         cluster = self._ipp_cluster
         if cluster is None:
             return ""
@@ -354,8 +376,8 @@ class RankCluster:
                 out.append(engine_set.get_output(remove=False) or "")
             except Exception:  # noqa: BLE001 - output is best-effort diagnostics
                 continue
-        text = "".join(out).strip().splitlines()
-        return "\n".join(text[-lines:])
+        text = "".join(out).strip()
+        return text if lines is None else "\n".join(text.splitlines()[-lines:])
 
     def _bootstrap(self) -> None:
         from .rank.engine import bootstrap
@@ -691,17 +713,28 @@ def _quiet_log() -> logging.Logger:
 _TOOLS_SAID = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
                re.compile(r"(Permission denied|Could not resolve|No route to host|Connection "
                           r"refused|Connection timed out|Host key verification failed)"))
+_SRUN_TASK_FAILED = re.compile(r"^srun: error: (?P<node>\S+): tasks? [\d,-]+: Exited with exit "
+                               r"code (?P<code>\d+)", re.M)
 _ANY_ERROR = re.compile(r"\b(error|Error|ERROR)\b")
 _NOT_STARTED = "did not start: "
 
 
-def telling_line(output: str) -> str | None:
-    """The line of a launcher's output that says why it failed (None: nothing does)."""
+def said_by_a_tool(output: str) -> str | None:
+    """The line of a launcher's output in which ssh or Slurm says why it failed."""
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     for pattern in _TOOLS_SAID:
         for line in lines:
             if pattern.search(line):
                 return line
+    return None
+
+
+def telling_line(output: str) -> str | None:
+    """The line of a launcher's output that says why it failed (None: nothing does)."""
+    said = said_by_a_tool(output)
+    if said:
+        return said
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
     for report in exit_reports(output):
         if report.cause.startswith(_NOT_STARTED):
             return report.cause[len(_NOT_STARTED):]

@@ -74,19 +74,30 @@ class SlurmSettings:
         return lines
 
 
-def batch_script(settings: SlurmSettings, mpiexec: str) -> str:
+def batch_script(settings: SlurmSettings, mpiexec: str, probe: str | None = None) -> str:
     """ipyparallel's Slurm batch template: one job whose ranks mpiexec starts together
-    (through srun on the job's nodes), so they are one MPI world. Braces in the user's
-    values are escaped from ipyparallel's formatting."""
-    user = [line.replace("{", "{{").replace("}", "}}") for line in settings.directives()]
+    (through srun on the job's nodes), so they are one MPI world. Where mpiexec fails,
+    one srun task on each node runs `probe` (host_check's: what the node lacks of the
+    ranks' paths) into the job's output. Braces are escaped from ipyparallel's
+    formatting."""
+    def escaped(text: str) -> str:
+        return text.replace("{", "{{").replace("}", "}}")
+
+    nodes = '"$SLURM_JOB_NUM_NODES"'
+    after = [] if probe is None else [
+        f'[ "$status" -eq 0 ] || srun -N {nodes} -n {nodes} --ntasks-per-node=1 '
+        f"--kill-on-bad-exit=0 sh -c {escaped(shlex.quote(probe))}"]
     return "\n".join([
         "#!/bin/sh",
         "#SBATCH --job-name=mpilab-{cluster_id}",
         "#SBATCH --ntasks={n}",
         "#SBATCH --output={output_file}",
         "#SBATCH --export=ALL",
-        *user,
-        f"exec {shlex.quote(mpiexec)} {' '.join(SLURM_MPIEXEC_ARGS)} -n {{n}} {{program_and_args}}",
+        *(escaped(line) for line in settings.directives()),
+        f"{shlex.quote(mpiexec)} {' '.join(SLURM_MPIEXEC_ARGS)} -n {{n}} {{program_and_args}}",
+        "status=$?",
+        *after,
+        'exit "$status"',
         "",
     ])
 
@@ -163,12 +174,16 @@ def _choices() -> str:
     return ", ".join(sorted(a for a in local_addresses() if "." in a))
 
 
-def hostfile_hosts(path: str) -> list[str]:
+def hostfile_hosts(path: str, n: int | None = None) -> list[str]:
     """The host names of an mpiexec (MPICH hydra) hostfile: a host a line, `host` or
     `host:slots`, maybe followed by hydra's `key=value` options; comments on lines of
     their own. What hydra would reject is told here, naming the line: hydra's own
-    message names neither the line nor the fault, and `host:0` makes it wait forever."""
+    message names neither the line nor the fault, and `host:0` makes it wait forever.
+
+    With `n`, the hosts that take some of n ranks: hydra fills each host's slots in the
+    file's order (and goes round again where the file holds fewer than n)."""
     hosts = []
+    slots_of = []
     for number, text in enumerate(Path(path).read_text().splitlines(), 1):
         line = text.strip()
         if not line or line.startswith("#"):
@@ -181,9 +196,18 @@ def hostfile_hosts(path: str) -> list[str]:
         if not host or (colon and not (slots.isdigit() and int(slots) > 0)):
             raise ClusterError(f"{where}: give `host` or `host:slots`, slots a positive number")
         hosts.append(host)
+        slots_of.append(int(slots) if slots else 1)
     if not hosts:
         raise ClusterError(f"--hostfile {path}: names no host (one per line, `host:slots`)")
-    return hosts
+    if n is None:
+        return hosts
+    taking, placed = [], 0
+    for host, slots in zip(hosts, slots_of, strict=True):
+        if placed >= n:
+            break
+        taking.append(host)
+        placed += slots
+    return taking
 
 
 def is_this_host(host: str) -> bool:

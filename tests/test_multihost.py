@@ -8,6 +8,7 @@ One cluster of ranks is shared by the tests of each launcher where state allows.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import re
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -107,6 +109,34 @@ def stopped(kernel: Kernel, code: str, after_s: float, timeout: float = 120):
     started = time.monotonic()
     run = kernel.run(code, timeout=timeout, interrupt_after=after_s)
     return run, time.monotonic() - started
+
+
+@contextlib.contextmanager
+def hidden_on(cluster, node: str, path) -> Iterator[None]:
+    """`path` an empty folder on `node` alone (a tmpfs over it among that node's mounts):
+    a host that lacks what the notebook's host has there."""
+    cluster.run_on(node, ["mount", "-t", "tmpfs", "none", str(path)], check=True)
+    try:
+        yield
+    finally:
+        cluster.run_on(node, ["umount", str(path)], check=True)
+
+
+def start_in(kernel: Kernel, folder, options: str, timeout: float = 200):
+    """`%mpilab start options` with the notebook in `folder`; back where it was after."""
+    return kernel.run(
+        f"import os\n_back = os.getcwd()\nos.chdir({str(folder)!r})\n"
+        f"try:\n    get_ipython().run_line_magic('mpilab', {('start ' + options)!r})\n"
+        "finally:\n    os.chdir(_back)", timeout=timeout)
+
+
+LACKING = {  # what node2 lacks -> the start of what the user is told
+    "environment": "has no {prefix}/bin/hydra_pmi_proxy: the ranks run this kernel's Python "
+                   "environment ({prefix}) at the same path on every host; install it there, "
+                   "or keep it on a file system every host shares",
+    "folder": "has no folder {project}, this notebook's folder, where mpiexec starts the "
+              "ranks: `%cd` to a folder every host shares",
+}
 
 
 def rank_lines(run) -> list[str]:
@@ -393,6 +423,29 @@ def test_ssh_refused_is_ssh_s_line(ssh_kernel, emulated_cluster, hostfile, tmp_p
     assert not wait_nothing_left(emulated_cluster, 10)
 
 
+@pytest.mark.parametrize("lacks", sorted(LACKING))
+def test_ssh_a_host_without_the_environment_or_the_folder_is_named(
+        ssh_kernel, emulated_cluster, hostfile, tmp_path, lacks):
+    """node2 lacks this venv, or the notebook's folder: hydra's own lines name neither the
+    host nor the path; the start says both and what to do, at once, leaving nothing."""
+    ssh_kernel.run("%mpilab stop", timeout=120)
+    project = tmp_path / "project"
+    project.mkdir()
+    with hidden_on(emulated_cluster, "node2", sys.prefix if lacks == "environment"
+                   else tmp_path):
+        started = time.monotonic()
+        run = start_in(ssh_kernel, project, f"-n 4 --hostfile {hostfile} --timeout 60")
+        took = time.monotonic() - started
+    error = run.text.split("UsageError: ")[-1].strip()
+    node2 = emulated_cluster.addresses["node2"]
+    assert error.startswith("the ranks did not start (mpiexec exited): " + node2 + " "
+                            + LACKING[lacks].format(prefix=sys.prefix, project=project)), \
+        run.text
+    assert len(error.splitlines()) == 1 and "Traceback" not in run.text
+    assert took < 30, took
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
 # -- Slurm ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm_kernel(emulated_cluster, ssh_kernel):
@@ -518,6 +571,29 @@ def test_slurm_controller_down_is_one_line(slurm_kernel, emulated_cluster, tmp_p
     error = run.text.split("UsageError: ")[-1].strip()
     assert "Unable to contact slurm controller" in error and len(error.splitlines()) == 1, error
     assert emulated_cluster.squeue() == []
+
+
+@pytest.mark.parametrize("lacks", sorted(LACKING))
+def test_slurm_a_node_without_the_environment_or_the_folder_is_named(
+        slurm_kernel, emulated_cluster, tmp_path, lacks):
+    """As over ssh, in a batch job: the job's nodes say what they lack (slurmstepd's line,
+    or one srun task each once mpiexec failed); told within seconds, not at the timeout."""
+    project = tmp_path / "project"
+    project.mkdir()
+    with hidden_on(emulated_cluster, "node2", sys.prefix if lacks == "environment"
+                   else tmp_path):
+        started = time.monotonic()
+        run = start_in(slurm_kernel, project, "-n 4 --launcher slurm --nodes 2 "
+                       "--tasks-per-node 2 --time 10 --timeout 60")
+        took = time.monotonic() - started
+    error = run.text.split("UsageError: ")[-1].strip()
+    assert error.startswith("the ranks did not start ("), run.text
+    assert ("): node2 " + LACKING[lacks].format(prefix=sys.prefix, project=project)) in error, \
+        run.text
+    assert len(error.splitlines()) == 1 and "Traceback" not in run.text
+    assert took < 30, took
+    assert emulated_cluster.squeue() == []
+    assert not wait_nothing_left(emulated_cluster, 10)
 
 
 def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):

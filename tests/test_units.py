@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import subprocess
 import time
 
 import pytest
@@ -387,9 +388,14 @@ def test_slurm_settings_make_the_batch_script():
                  "#SBATCH --nodes=2", "#SBATCH --tasks-per-node=4",
                  "#SBATCH --gpus-per-node=a100:4", "#SBATCH --qos=high",
                  "#SBATCH --constraint={{fast}}", "#SBATCH --ntasks={n}",
-                 "exec /opt/venv/bin/mpiexec -launcher slurm -launcher-exec srun -rmk slurm "
-                 "-n {n} {program_and_args}"):
+                 "/opt/venv/bin/mpiexec -launcher slurm -launcher-exec srun -rmk slurm "
+                 "-n {n} {program_and_args}", 'exit "$status"'):
         assert line in script.splitlines(), (line, script)
+    # where mpiexec fails, each node runs the probe once (braces kept from ipyparallel)
+    probed = batch_script(settings, "/opt/venv/bin/mpiexec", probe="echo {x}")
+    assert ('[ "$status" -eq 0 ] || srun -N "$SLURM_JOB_NUM_NODES" -n "$SLURM_JOB_NUM_NODES" '
+            "--ntasks-per-node=1 --kill-on-bad-exit=0 sh -c 'echo {{x}}'") in probed.splitlines()
+    assert "srun -N" not in script
     assert settings.given() == ["--partition", "--time", "--account", "--nodes",
                                 "--tasks-per-node", "--gpus-per-node", "--sbatch-option"]
 
@@ -443,6 +449,58 @@ def test_hostfile_lines_mpiexec_would_reject_are_named(tmp_path):
         with pytest.raises(ClusterError) as told:
             hostfile_hosts(str(bad))
         assert str(told.value) == f"--hostfile {bad}, line 2 ({line!r}): {fault}"
+
+
+def test_hosts_that_take_ranks_fill_each_host_s_slots_in_turn(tmp_path):
+    from mpilab.placement import hostfile_hosts
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("node1:2\nnode2\nnode3:4\n")
+    assert hostfile_hosts(str(hosts), 1) == hostfile_hosts(str(hosts), 2) == ["node1"]
+    assert hostfile_hosts(str(hosts), 3) == ["node1", "node2"]
+    assert hostfile_hosts(str(hosts), 4) == hostfile_hosts(str(hosts), 99) == \
+        ["node1", "node2", "node3"]
+
+
+def test_what_a_host_lacks_is_asked_by_one_script_and_told_in_one_line(tmp_path):
+    """The probe runs in a real shell here (on the hosts it runs over ssh or srun); the
+    answer and slurmstepd's own line name the host, the path and what to do."""
+    import socket
+    import sys
+
+    from mpilab.host_check import Needed, lacking_line, probe_script, read_answers
+
+    program = tmp_path / "bin" / "hydra_pmi_proxy"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    have = [Needed(str(tmp_path), folder=True), Needed(str(program), folder=False)]
+    lack = [Needed(str(tmp_path / "gone"), folder=True),
+            Needed(str(tmp_path / "bin" / "python"), folder=False)]
+    paths = [have[0], lack[0], have[1], lack[1]]
+    said = subprocess.run(["sh", "-c", probe_script(paths)], capture_output=True, text=True,
+                          check=True).stdout
+    host = socket.gethostname()
+    assert read_answers(said, paths) == {host: lack}
+    silent = subprocess.run(["sh", "-c", probe_script(have)], capture_output=True, text=True,
+                            check=True).stdout
+    assert silent == "" and read_answers(silent, have) == {} and lacking_line({}) is None
+
+    # the program first: without the environment the folder does not matter
+    assert lacking_line({"node2": lack}) == (
+        f"node2 has no {lack[1].path}: the ranks run this kernel's Python environment "
+        f"({sys.prefix}) at the same path on every host; install it there, or keep it on a "
+        "file system every host shares")
+    assert lacking_line({"node2": [lack[0]], "node3": [lack[0]]}) == (
+        f"node2 and node3 have no folder {lack[0].path}, this notebook's folder, where "
+        "mpiexec starts the ranks: `%cd` to a folder every host shares (a home or project "
+        "file system), then start again")
+    # srun could not start the proxy on a node: slurmstepd's line says which and where
+    output = ("srun: error: node2: task 1: Exited with exit code 2\n"
+              "slurmstepd-node2: error: execve(): /opt/venv/bin/hydra_pmi_proxy: No such "
+              "file or directory\n")
+    proxy = Needed("/opt/venv/bin/hydra_pmi_proxy", folder=False)
+    assert read_answers(output, [Needed("/work", folder=True), proxy]) == {"node2": [proxy]}
 
 
 def test_allocation_tasks_from_slurm_variables(monkeypatch):

@@ -1,0 +1,123 @@
+"""What a host lacks that its ranks need: the notebook's folder and this Python environment.
+
+mpiexec starts every rank in the notebook's folder, with the proxy beside mpiexec and
+this kernel's Python, at the same paths on every host. A host without one of them makes
+hydra fail with lines that name neither the host nor the path (`launch_procs returned
+error`, `assert (!closed) failed`, or a shell's `No such file or directory` with no host).
+Only once a start has failed, each host that was to take ranks is asked which of those
+paths it lacks: over ssh as mpiexec reached it, or, in a Slurm job, by one srun task per
+node after mpiexec failed (the batch script's last step). One probe script serves both,
+and its answer becomes one line that names the host, the path and what to do.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ASK_TIMEOUT_S = 10.0
+MARK = "mpilab-host-lacks:"  # the probe's answer: "mpilab-host-lacks: node2 0 2"
+
+
+@dataclass(frozen=True)
+class Needed:
+    """A path every rank's host must have."""
+
+    path: str
+    folder: bool  # a folder to start in, else a program to run
+
+
+def needed(mpiexec: str, folder: str | None = None) -> list[Needed]:
+    """What the ranks of `mpiexec` need on each host: the folder, its proxy, this Python."""
+    paths = [Needed(folder or os.getcwd(), folder=True)]
+    proxy = Path(mpiexec).with_name("hydra_pmi_proxy")
+    if proxy.exists():
+        paths.append(Needed(str(proxy), folder=False))
+    paths.append(Needed(sys.executable, folder=False))
+    return paths
+
+
+def probe_script(paths: list[Needed]) -> str:
+    """A shell script that prints MARK, the host's name and the index of each path it
+    lacks, on one line, or nothing where it lacks none."""
+    tests = "; ".join(f"test -{'d' if p.folder else 'x'} {shlex.quote(p.path)} || "
+                      f'lacks="$lacks {i}"' for i, p in enumerate(paths))
+    return (f"lacks=; {tests}; if [ -n \"$lacks\" ]; then "
+            f"echo \"{MARK} $(hostname)$lacks\"; fi; true")
+
+
+_ANSWER = re.compile(rf"^{re.escape(MARK)} (\S+)((?: \d+)+)\s*$", re.M)
+# slurmstepd's line where a node cannot run the proxy srun starts there
+_EXECVE = re.compile(r"slurmstepd-(\S+): error: execve\(\): (/\S+): No such file or directory")
+
+
+def read_answers(output: str, paths: list[Needed]) -> dict[str, list[Needed]]:
+    """host -> what it lacks, from the probe's lines and slurmstepd's own in `output`."""
+    missing: dict[str, list[Needed]] = {}
+    for host, indices in _ANSWER.findall(output):
+        missing.setdefault(host, []).extend(
+            paths[int(i)] for i in indices.split() if int(i) < len(paths))
+    for host, path in _EXECVE.findall(output):
+        found = next((p for p in paths if p.path == path), Needed(path, folder=False))
+        missing.setdefault(host, []).append(found)
+    return missing
+
+
+def ssh_command() -> list[str]:
+    """The ssh mpiexec (hydra) runs: HYDRA_LAUNCHER_EXEC's where set, else `ssh`."""
+    return [os.environ.get("HYDRA_LAUNCHER_EXEC") or "ssh", "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=5"]
+
+
+def ask_over_ssh(hosts: list[str], paths: list[Needed],
+                 timeout: float = ASK_TIMEOUT_S) -> dict[str, list[Needed]]:
+    """host (as the hostfile names it) -> the paths it lacks, every host asked at once. A
+    host ssh cannot reach is left out: ssh's own line about it is in mpiexec's output."""
+    script = probe_script(paths)
+
+    def ask(host: str) -> list[Needed]:
+        try:
+            done = subprocess.run([*ssh_command(), host, script], capture_output=True,
+                                  text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired):
+            return []
+        if done.returncode != 0:
+            return []
+        return [p for found in read_answers(done.stdout, paths).values() for p in found]
+
+    unique = list(dict.fromkeys(hosts))
+    if not unique:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(unique))) as pool:
+        answers = dict(zip(unique, pool.map(ask, unique), strict=True))
+    return {host: found for host, found in answers.items() if found}
+
+
+def lacking_line(missing: dict[str, list[Needed]]) -> str | None:
+    """One line naming the hosts and what they lack, and what to do (None: nothing)."""
+    by_path: dict[Needed, list[str]] = {}
+    for host, paths in missing.items():
+        for path in paths:
+            hosts = by_path.setdefault(path, [])
+            if host not in hosts:
+                hosts.append(host)
+    if not by_path:
+        return None
+    # a program first: without the environment the folder does not matter
+    first = min(by_path, key=lambda p: p.folder)
+    hosts = by_path[first]
+    who = hosts[0] if len(hosts) == 1 else ", ".join(hosts[:-1]) + " and " + hosts[-1]
+    has = "has" if len(hosts) == 1 else "have"
+    if first.folder:
+        return (f"{who} {has} no folder {first.path}, this notebook's folder, where mpiexec "
+                "starts the ranks: `%cd` to a folder every host shares (a home or project "
+                "file system), then start again")
+    return (f"{who} {has} no {first.path}: the ranks run this kernel's Python environment "
+            f"({sys.prefix}) at the same path on every host; install it there, or keep it "
+            "on a file system every host shares")
