@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import os
 import re
 import signal
@@ -256,6 +257,32 @@ def test_ssh_data_parallel_on_digits_both_backends(ssh_ranks):
     assert run.ok, run.text
     assert "[ranks 0-3] mpi True" in run.stdout and "[ranks 0-3] torch True" in run.stdout, \
         run.text
+
+
+def test_ssh_a_torchrun_script_runs_across_the_hosts_as_torchrun_would_start_it(
+        ssh_ranks, emulated_cluster):
+    """torchrun's variables as on two nodes (a node's index, its local ranks) and the
+    store at rank 0's address on the hosts' network; a DDP script run with `%run` uses
+    them and trains over both hosts."""
+    run = ssh_ranks.run(
+        "%%ranks\nimport json, os, socket\n"
+        "keys = ['RANK', 'LOCAL_RANK', 'LOCAL_WORLD_SIZE', 'GROUP_RANK', 'GROUP_WORLD_SIZE',"
+        " 'WORLD_SIZE', 'MASTER_ADDR']\n"
+        "print(json.dumps([socket.gethostname()] + [os.environ[k] for k in keys]))")
+    assert run.ok, run.text
+    rows = {int(rank): json.loads(line)
+            for rank, line in re.findall(r"^\[rank (\d)\] (.*)$", run.stdout, re.M)}
+    node1 = emulated_cluster.addresses["node1"]  # rank 0's host, on the hosts' network
+    assert rows == {0: ["node1", "0", "0", "2", "0", "2", "4", node1],
+                    1: ["node1", "1", "1", "2", "0", "2", "4", node1],
+                    2: ["node2", "2", "0", "2", "1", "2", "4", node1],
+                    3: ["node2", "3", "1", "2", "1", "2", "4", node1]}, run.text
+    script = REPO / "tests" / "torchrun_scripts" / "train.py"
+    run = ssh_ranks.run(f"%%ranks\n%run {script} --epochs 2 --samples 256", timeout=200)
+    assert run.ok, run.text
+    epochs = re.findall(r"\[rank 0\] epoch (\d): loss [\d.]+, every sample once: True",
+                        run.stdout)
+    assert epochs == ["0", "1"], run.text
 
 
 def test_ssh_rank_failure_on_node2_releases_node1(ssh_ranks):
