@@ -219,6 +219,15 @@ def is_this_host(host: str) -> bool:
         return False
 
 
+def _loopback_name(host: str) -> bool:
+    if host == "localhost" or host.startswith("localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def resolve(host: str) -> str:
     return socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
 
@@ -276,9 +285,16 @@ def place(launcher: str, hostfile: str | None, controller_ip: str | None,
         address = first_slurm_node_address(slurm)
         first = address
     elif hostfile:
-        remote_hosts = [h for h in hostfile_hosts(hostfile) if not is_this_host(h)]
+        hosts = hostfile_hosts(hostfile)
+        remote_hosts = [h for h in hosts if not is_this_host(h)]
         if not remote_hosts:
             return _given_or_loopback(controller_ip)
+        own = next((h for h in hosts if _loopback_name(h)), None)
+        if own is not None:  # hydra tells the other hosts' proxies to call it back there
+            raise ClusterError(
+                f"--hostfile {hostfile}: {own!r} means each host itself, and mpiexec tells "
+                f"{remote_hosts[0]} to reach this host by that name: write this host as the "
+                f"others reach it ({socket.gethostname()}, or its address on their network)")
         first = remote_hosts[0]
         try:
             address = resolve(first)

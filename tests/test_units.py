@@ -462,6 +462,28 @@ def test_hosts_that_take_ranks_fill_each_host_s_slots_in_turn(tmp_path):
         ["node1", "node2", "node3"]
 
 
+def test_a_hostfile_naming_this_host_localhost_beside_other_hosts_is_one_line(tmp_path):
+    """mpiexec tells the other hosts' proxies to call back to the name the hostfile gives
+    this host: `localhost` sends them to themselves (hydra: `unable to connect from
+    "node2" to "localhost" (Connection refused)`). On its own, localhost is fine."""
+    import socket
+
+    from mpilab.placement import place
+
+    for own in ("localhost", "127.0.0.1"):
+        hosts = tmp_path / "hosts"
+        hosts.write_text(f"{own}:2\n192.0.2.77:2\n")
+        with pytest.raises(ClusterError) as told:
+            place("mpi", str(hosts), None, None)
+        assert str(told.value) == (
+            f"--hostfile {hosts}: {own!r} means each host itself, and mpiexec tells "
+            f"192.0.2.77 to reach this host by that name: write this host as the others "
+            f"reach it ({socket.gethostname()}, or its address on their network)")
+    alone = tmp_path / "alone"
+    alone.write_text("localhost:2\n")
+    assert place("mpi", str(alone), None, None).listen_ip == "127.0.0.1"
+
+
 def test_what_a_host_lacks_is_asked_by_one_script_and_told_in_one_line(tmp_path):
     """The probe runs in a real shell here (on the hosts it runs over ssh or srun); the
     answer and slurmstepd's own line name the host, the path and what to do."""
