@@ -249,7 +249,7 @@ class RankCluster:
         if batch:
             slurm = cluster.config.SlurmEngineSetLauncher
             slurm.batch_template = placement.batch_script(
-                cfg.slurm, mpiexec, host_check.probe_script(self._needed))
+                cfg.slurm, mpiexec, host_check.srun_probe(self._needed))
             # the script beside the cluster's other files, not in the notebook's folder
             # (the job itself starts in the notebook's folder, as the ranks' cwd)
             scripts = Path(cluster.profile_dir) / "log"
@@ -339,15 +339,23 @@ class RankCluster:
 
     def _what_hosts_lack(self, output: str) -> str | None:
         """Which host lacks the folder or the environment the ranks need, where one
-        does: as the Slurm job's nodes answered in its output, else each host of the
-        hostfile asked over ssh (unless ssh already said why it failed)."""
+        does: as a batch job's nodes (or slurmstepd) said in its output, else as the
+        hosts answer when asked now."""
+        return host_check.lacking_line(host_check.read_answers(output, self._needed)
+                                       or self._ask_the_hosts(output))
+
+    def _ask_the_hosts(self, output: str) -> dict[str, list[host_check.Needed]]:
+        """The nodes of the allocation this kernel is in, asked with srun; else each host
+        of the hostfile that was to take ranks, over ssh (unless ssh already said why it
+        failed)."""
         cfg = self.config
-        missing = host_check.read_answers(output, self._needed)
-        if not missing and cfg.hostfile and not said_by_a_tool(output):
+        if cfg.launcher == "slurm" and placement.in_allocation():
+            return host_check.ask_in_allocation(self._needed)
+        if cfg.hostfile and not said_by_a_tool(output):
             hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
                      if not placement.is_this_host(host)]
-            missing = host_check.ask_over_ssh(hosts, self._needed)
-        return host_check.lacking_line(missing)
+            return host_check.ask_over_ssh(hosts, self._needed)
+        return {}
 
     def engine_log_path(self) -> str | None:
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():

@@ -5,9 +5,10 @@ this kernel's Python, at the same paths on every host. A host without one of the
 hydra fail with lines that name neither the host nor the path (`launch_procs returned
 error`, `assert (!closed) failed`, or a shell's `No such file or directory` with no host).
 Only once a start has failed, each host that was to take ranks is asked which of those
-paths it lacks: over ssh as mpiexec reached it, or, in a Slurm job, by one srun task per
-node after mpiexec failed (the batch script's last step). One probe script serves both,
-and its answer becomes one line that names the host, the path and what to do.
+paths it lacks: over ssh as mpiexec reached it, or, in a Slurm job or allocation, by one
+srun task per node (a batch job's script runs it where mpiexec failed). One probe script
+serves every way, and its answer becomes one line that names the host, the path and what
+to do.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def probe_script(paths: list[Needed]) -> str:
                       f'lacks="$lacks {i}"' for i, p in enumerate(paths))
     return (f"lacks=; {tests}; if [ -n \"$lacks\" ]; then "
             f"echo \"{MARK} $(hostname)$lacks\"; fi; true")
+
+
+def srun_probe(paths: list[Needed]) -> str:
+    """The shell command by which a Slurm job or allocation asks each of its nodes, one
+    srun task each, beside whatever step still holds them."""
+    nodes = '"$SLURM_JOB_NUM_NODES"'
+    return (f"srun -N {nodes} -n {nodes} --ntasks-per-node=1 --overlap --kill-on-bad-exit=0 "
+            f"sh -c {shlex.quote(probe_script(paths))}")
 
 
 _ANSWER = re.compile(rf"^{re.escape(MARK)} (\S+)((?: \d+)+)\s*$", re.M)
@@ -97,6 +106,17 @@ def ask_over_ssh(hosts: list[str], paths: list[Needed],
     with ThreadPoolExecutor(max_workers=min(16, len(unique))) as pool:
         answers = dict(zip(unique, pool.map(ask, unique), strict=True))
     return {host: found for host, found in answers.items() if found}
+
+
+def ask_in_allocation(paths: list[Needed],
+                      timeout: float = ASK_TIMEOUT_S) -> dict[str, list[Needed]]:
+    """node -> the paths it lacks, asked with srun in the allocation this kernel is in."""
+    try:
+        done = subprocess.run(["sh", "-c", srun_probe(paths)], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return read_answers(done.stdout, paths)
 
 
 def lacking_line(missing: dict[str, list[Needed]]) -> str | None:

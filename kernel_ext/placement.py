@@ -77,16 +77,12 @@ class SlurmSettings:
 def batch_script(settings: SlurmSettings, mpiexec: str, probe: str | None = None) -> str:
     """ipyparallel's Slurm batch template: one job whose ranks mpiexec starts together
     (through srun on the job's nodes), so they are one MPI world. Where mpiexec fails,
-    one srun task on each node runs `probe` (host_check's: what the node lacks of the
-    ranks' paths) into the job's output. Braces are escaped from ipyparallel's
+    the script runs the shell command `probe` (host_check's: each node says what it lacks
+    of the ranks' paths, into the job's output). Braces are escaped from ipyparallel's
     formatting."""
     def escaped(text: str) -> str:
         return text.replace("{", "{{").replace("}", "}}")
 
-    nodes = '"$SLURM_JOB_NUM_NODES"'
-    after = [] if probe is None else [
-        f'[ "$status" -eq 0 ] || srun -N {nodes} -n {nodes} --ntasks-per-node=1 '
-        f"--kill-on-bad-exit=0 sh -c {escaped(shlex.quote(probe))}"]
     return "\n".join([
         "#!/bin/sh",
         "#SBATCH --job-name=mpilab-{cluster_id}",
@@ -96,7 +92,7 @@ def batch_script(settings: SlurmSettings, mpiexec: str, probe: str | None = None
         *(escaped(line) for line in settings.directives()),
         f"{shlex.quote(mpiexec)} {' '.join(SLURM_MPIEXEC_ARGS)} -n {{n}} {{program_and_args}}",
         "status=$?",
-        *after,
+        *([] if probe is None else [f'[ "$status" -eq 0 ] || {escaped(probe)}']),
         'exit "$status"',
         "",
     ])

@@ -641,8 +641,9 @@ def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):
         kernel.km.cleanup_resources()
 
 
-def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel):
-    """salloc's allocation (its variables in the kernel): the ranks go into it."""
+def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
+    """salloc's allocation (its variables in the kernel): the ranks go into it. A node
+    without the notebook's folder is named (asked with srun in the allocation)."""
     out = emulated_cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
                                      "--ntasks-per-node", "2", "-t", "10").stderr
     job = next(w for w in out.split() if w.isdigit())
@@ -656,6 +657,14 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel):
             too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")
             assert not too_many.ok
             assert f"allocation {job} holds 4 tasks, fewer than -n 6" in too_many.text
+            project = tmp_path / "project"
+            project.mkdir()
+            with hidden_on(emulated_cluster, "node2", tmp_path):
+                lacking = start_in(kernel, project, "-n 4 --launcher slurm --timeout 60")
+            error = lacking.text.split("UsageError: ")[-1].strip()
+            assert error.startswith("the ranks did not start (mpiexec exited): node2 "
+                                    + LACKING["folder"].format(project=project)), lacking.text
+            assert not wait_nothing_left(emulated_cluster, 10)
             run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
             assert run.ok, run.text
             assert "4 ranks on node1, node2" in run.stdout
