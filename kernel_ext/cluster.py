@@ -162,6 +162,10 @@ class RankCluster:
     input_desk: InputDesk | None = None  # where the ranks' input() asks the notebook
     _lifeline: lifeline.Lifeline | None = None
     _local: dict | None = None  # local_processes(), made once per start
+    # what the start launched on this host (psutil handles): mpiexec's children are kept
+    # as they appear, so that a stop after mpiexec died first still ends them (an srun
+    # left alone keeps its step, and a proxy on another node, alive)
+    _launched: list = field(default_factory=list)
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
 
@@ -276,6 +280,7 @@ class RankCluster:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         while len(client.ids) < n:
+            self._hold_launched(self._ipp_cluster)
             now = time.monotonic()
             if now > deadline:
                 raise ClusterError(self._start_failure(TimeoutError(
@@ -287,6 +292,12 @@ class RankCluster:
                 if ended:
                     raise ClusterError(self._start_failure(RuntimeError(ended)))
             time.sleep(0.1)
+
+    def _hold_launched(self, cluster) -> None:
+        """Add what runs below `cluster`'s launchers now to what the start launched."""
+        if cluster is not None:
+            held = set(self._launched)
+            self._launched += [p for p in _launched_processes(cluster) if p not in held]
 
     def _launcher_ended(self) -> str | None:
         """Why the engines' launcher is gone before they all registered (None: it runs)."""
@@ -422,13 +433,14 @@ class RankCluster:
         self._client = self._ipp_cluster = self._receiver = self._lifeline = None
         self.input_desk = None
         self.ranks, self.engine_of_rank, self.dead, self._local = [], {}, {}, None
-        launched = _launched_processes(cluster) if cluster is not None else []
+        self._hold_launched(cluster)
+        launched, self._launched = self._launched, []
         jobs = _slurm_jobs(cluster) if cluster is not None else []
         if held is not None:
             held.close()
         if not fast:
             _wait_for_exit(launched, timeout=ENGINE_EXIT_WAIT_S)
-        _kill_survivors(launched)
+        _end_survivors(launched, graceful=not fast)
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:
@@ -693,16 +705,24 @@ def _remove_cluster_files(cluster) -> None:
         path.unlink(missing_ok=True)
 
 
-def _kill_survivors(procs: list) -> None:
-    """Kill, by pid, what is still running of `procs`, and wait for it to go."""
+SURVIVOR_TERM_WAIT_S = 2.0
+
+
+def _end_survivors(procs: list, graceful: bool) -> None:
+    """End, by pid, what is still running of `procs`, and wait for it to go. graceful:
+    SIGTERM first, for up to 2 s: an srun passes it to its tasks on the other nodes and
+    so ends its step there (killed, it would leave them running)."""
     import psutil
 
     alive = [p for p in procs if not _gone(p)]
+    if graceful and alive:
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        alive = _wait_gone(alive, timeout=SURVIVOR_TERM_WAIT_S)
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.Error):
             p.kill()
-        except psutil.Error:
-            pass
     _wait_gone(alive, timeout=5)
 
 
