@@ -473,6 +473,44 @@ def test_ssh_a_host_without_the_environment_or_the_folder_is_named(
     assert not wait_nothing_left(emulated_cluster, 10)
 
 
+def test_ssh_ranks_placed_round_robin_over_the_hosts(ssh_kernel, emulated_cluster):
+    """One slot a host, so mpiexec deals the ranks out in turn (0 and 2 on node1, 1 and 3
+    on node2), as Slurm's cyclic distribution does: every collective and DataParallel
+    stay right where a host's ranks are not consecutive."""
+    ssh_kernel.run("%mpilab stop", timeout=120)
+    dealt = emulated_cluster.hostfile(slots_per_node=1, nodes=NODES)
+    try:
+        run = ssh_kernel.run(f"%mpilab start -n 4 --hostfile {dealt}", timeout=240)
+        assert run.ok, run.text
+        run = ssh_kernel.run(CHECK_CELL, timeout=120)
+        assert "[ranks 0,2] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+        assert "[ranks 1,3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+        run = ssh_kernel.run(
+            "%%ranks\nimport torch\nok = True\n"
+            "for root in range(4):\n"
+            "    for n in (3, 1 << 20, 1 << 21):\n"
+            "        t = torch.full((n,), float(rank))\n"
+            "        mpilab.broadcast(t, root=root)\n"
+            "        ok = ok and bool((t == root).all())\n"
+            "        g = mpilab.allgather(torch.full((n,), float(rank + root)))\n"
+            "        ok = ok and all(bool((g[r] == r + root).all()) for r in range(4))\n"
+            "torch.manual_seed(rank)\n"
+            "model = mpilab.DataParallel(torch.nn.Linear(8, 2))\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+            "for _ in range(3):\n"
+            "    opt.zero_grad()\n"
+            "    model(torch.randn(4, 8)).sum().backward()\n"
+            "    opt.step()\n"
+            "w = model.module.weight.detach().clone()\n"
+            "same = all(torch.equal(w, x) for x in mpilab.allgather(w))\n"
+            "print(ok, same)", timeout=180)
+        assert run.ok, run.text
+        assert "[ranks 0-3] True True" in run.stdout, run.text
+    finally:
+        ssh_kernel.run("%mpilab stop", timeout=120)
+    assert not wait_nothing_left(emulated_cluster, 10)
+
+
 # -- Slurm ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def slurm_kernel(emulated_cluster, ssh_kernel):
