@@ -317,11 +317,14 @@ class RankCluster:
                         return "mpiexec exited"
                 except Exception:  # noqa: BLE001 - gone between the two looks
                     return "mpiexec exited"
-        # in a Slurm job or allocation, a proxy srun could not start leaves mpiexec
-        # waiting for it
-        failed = _SRUN_TASK_FAILED.search(self.engine_output(lines=None))
+        # a proxy srun could not start (in a Slurm job or allocation), or an engine whose
+        # Python lacks mpilab, leaves the other ranks waiting for it in MPI's start
+        output = self.engine_output(lines=None)
+        failed = _SRUN_TASK_FAILED.search(output)
         if failed:
             return f"srun's task on {failed['node']} exited with code {failed['code']}"
+        if _NO_MPILAB.search(output):
+            return "an engine's Python could not import mpilab"
         return None
 
     def _job_state_note(self) -> str:
@@ -356,12 +359,15 @@ class RankCluster:
                                        or self._ask_the_hosts(output))
 
     def _ask_the_hosts(self, output: str) -> dict[str, list[host_check.Needed]]:
-        """The nodes of the allocation this kernel is in, asked with srun; else each host
-        of the hostfile that was to take ranks, over ssh (unless ssh already said why it
-        failed)."""
+        """The nodes of the allocation this kernel is in, or of the batch job while it
+        runs, asked with srun; else each host of the hostfile that was to take ranks,
+        over ssh (unless ssh already said why it failed)."""
         cfg = self.config
         if cfg.launcher == "slurm" and placement.in_allocation():
-            return host_check.ask_in_allocation(self._needed)
+            return host_check.ask_with_srun(self._needed)
+        for job in _slurm_jobs(self._ipp_cluster):
+            nodes = slurm_job_nodes(job)
+            return host_check.ask_with_srun(self._needed, job, nodes) if nodes else {}
         if cfg.hostfile and not said_by_a_tool(output):
             hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
                      if not placement.is_this_host(host)]
@@ -657,11 +663,10 @@ SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREE
 SLURM_CANCEL_WAIT_S = 15.0
 
 
-def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
-    """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
+def _squeue(job: str, fmt: str) -> str | None:
+    """squeue's `fmt` for `job`; None once the job is gone, 'UNKNOWN' where squeue fails."""
     import subprocess
 
-    fmt = "%T (%r)" if with_reason else "%T"
     try:
         done = subprocess.run(["squeue", "-h", "-j", str(job), "-o", fmt],
                               capture_output=True, text=True, timeout=10)
@@ -671,6 +676,17 @@ def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
     if done.returncode != 0 and "Invalid job id" not in done.stderr:
         return "UNKNOWN"
     return out or None
+
+
+def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
+    """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
+    return _squeue(job, "%T (%r)" if with_reason else "%T")
+
+
+def slurm_job_nodes(job: str) -> int | None:
+    """How many nodes the job holds while it runs (None: it does not run)."""
+    state, _, nodes = (_squeue(job, "%T %D") or "").partition(" ")
+    return int(nodes) if state == "RUNNING" and nodes.isdigit() else None
 
 
 def _slurm_jobs(cluster) -> list[str]:
@@ -743,6 +759,7 @@ _TOOLS_SAID = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
                           r"refused|Connection timed out|Host key verification failed)"))
 _SRUN_TASK_FAILED = re.compile(r"^srun: error: (?P<node>\S+): tasks? [\d,-]+: Exited with exit "
                                r"code (?P<code>\d+)", re.M)
+_NO_MPILAB = re.compile(r"No module named '?mpilab\b")
 _ANY_ERROR = re.compile(r"\b(error|Error|ERROR)\b")
 _NOT_STARTED = "did not start: "
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -131,13 +132,33 @@ def start_in(kernel: Kernel, folder, options: str, timeout: float = 200):
         "finally:\n    os.chdir(_back)", timeout=timeout)
 
 
-LACKING = {  # what node2 lacks -> the start of what the user is told
-    "environment": "has no {prefix}/bin/hydra_pmi_proxy: the ranks run this kernel's Python "
-                   "environment ({prefix}) at the same path on every host; install it there, "
-                   "or keep it on a file system every host shares",
-    "folder": "has no folder {project}, this notebook's folder, where mpiexec starts the "
-              "ranks: `%cd` to a folder every host shares",
-}
+LACKING = ("environment", "mpilab", "folder")  # what a host may lack that the ranks need
+
+
+def node2_lacking(lacks: str, project: Path) -> tuple[Path, str]:
+    """What to hide on node2 so that it lacks `lacks` (the notebook working in `project`),
+    and the pattern of what the user is then told, the host's name as {host}."""
+    prefix = re.escape(sys.prefix)
+    if lacks == "environment":
+        return Path(sys.prefix), (
+            rf"{{host}} has no {prefix}/bin/hydra_pmi_proxy: the ranks run this kernel's "
+            rf"Python environment \({prefix}\) at the same path on every host; install it "
+            "there, or keep it on a file system every host shares")
+    if lacks == "mpilab":  # the package's own folder: an editable install's source, or not
+        package = Path(importlib.util.find_spec("mpilab").origin).parent
+        return package, (rf"on {{host}}, {prefix}/bin/python3? cannot import mpilab: install "
+                         "mpilab in that environment there")
+    return project.parent, (rf"{{host}} has no folder {re.escape(str(project))}, this "
+                            "notebook's folder, where mpiexec starts the ranks: `%cd` to a "
+                            "folder every host shares")
+
+
+def told_what_node2_lacks(run, pattern: str, host: str) -> bool:
+    """The start failed with one line that names the host and what it lacks."""
+    error = run.text.split("UsageError: ")[-1].strip()
+    return (len(error.splitlines()) == 1 and "Traceback" not in run.text and re.match(
+        r"the ranks did not start \(.*?\): " + pattern.replace("{host}", re.escape(host)),
+        error) is not None)
 
 
 def rank_lines(run) -> list[str]:
@@ -450,25 +471,21 @@ def test_ssh_refused_is_ssh_s_line(ssh_kernel, emulated_cluster, hostfile, tmp_p
     assert not wait_nothing_left(emulated_cluster, 10)
 
 
-@pytest.mark.parametrize("lacks", sorted(LACKING))
-def test_ssh_a_host_without_the_environment_or_the_folder_is_named(
+@pytest.mark.parametrize("lacks", LACKING)
+def test_ssh_a_host_without_the_environment_mpilab_or_the_folder_is_named(
         ssh_kernel, emulated_cluster, hostfile, tmp_path, lacks):
-    """node2 lacks this venv, or the notebook's folder: hydra's own lines name neither the
-    host nor the path; the start says both and what to do, at once, leaving nothing."""
+    """node2 lacks this venv, mpilab in it, or the notebook's folder: hydra's own lines
+    name neither the host nor the path (or the other ranks wait in MPI's start until the
+    timeout); the start says both and what to do, at once, leaving nothing."""
     ssh_kernel.run("%mpilab stop", timeout=120)
     project = tmp_path / "project"
     project.mkdir()
-    with hidden_on(emulated_cluster, "node2", sys.prefix if lacks == "environment"
-                   else tmp_path):
+    hidden, told = node2_lacking(lacks, project)
+    with hidden_on(emulated_cluster, "node2", hidden):
         started = time.monotonic()
         run = start_in(ssh_kernel, project, f"-n 4 --hostfile {hostfile} --timeout 60")
         took = time.monotonic() - started
-    error = run.text.split("UsageError: ")[-1].strip()
-    node2 = emulated_cluster.addresses["node2"]
-    assert error.startswith("the ranks did not start (mpiexec exited): " + node2 + " "
-                            + LACKING[lacks].format(prefix=sys.prefix, project=project)), \
-        run.text
-    assert len(error.splitlines()) == 1 and "Traceback" not in run.text
+    assert told_what_node2_lacks(run, told, emulated_cluster.addresses["node2"]), run.text
     assert took < 30, took
     assert not wait_nothing_left(emulated_cluster, 10)
 
@@ -638,24 +655,21 @@ def test_slurm_controller_down_is_one_line(slurm_kernel, emulated_cluster, tmp_p
     assert emulated_cluster.squeue() == []
 
 
-@pytest.mark.parametrize("lacks", sorted(LACKING))
-def test_slurm_a_node_without_the_environment_or_the_folder_is_named(
+@pytest.mark.parametrize("lacks", LACKING)
+def test_slurm_a_node_without_the_environment_mpilab_or_the_folder_is_named(
         slurm_kernel, emulated_cluster, tmp_path, lacks):
     """As over ssh, in a batch job: the job's nodes say what they lack (slurmstepd's line,
-    or one srun task each once mpiexec failed); told within seconds, not at the timeout."""
+    one srun task each once mpiexec failed, or asked while the job still runs); told
+    within seconds, not at the timeout."""
     project = tmp_path / "project"
     project.mkdir()
-    with hidden_on(emulated_cluster, "node2", sys.prefix if lacks == "environment"
-                   else tmp_path):
+    hidden, told = node2_lacking(lacks, project)
+    with hidden_on(emulated_cluster, "node2", hidden):
         started = time.monotonic()
         run = start_in(slurm_kernel, project, "-n 4 --launcher slurm --nodes 2 "
                        "--tasks-per-node 2 --time 10 --timeout 60")
         took = time.monotonic() - started
-    error = run.text.split("UsageError: ")[-1].strip()
-    assert error.startswith("the ranks did not start ("), run.text
-    assert ("): node2 " + LACKING[lacks].format(prefix=sys.prefix, project=project)) in error, \
-        run.text
-    assert len(error.splitlines()) == 1 and "Traceback" not in run.text
+    assert told_what_node2_lacks(run, told, "node2"), run.text
     assert took < 30, took
     assert emulated_cluster.squeue() == []
     assert not wait_nothing_left(emulated_cluster, 10)
@@ -697,11 +711,10 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
             assert f"allocation {job} holds 4 tasks, fewer than -n 6" in too_many.text
             project = tmp_path / "project"
             project.mkdir()
-            with hidden_on(emulated_cluster, "node2", tmp_path):
+            hidden, told = node2_lacking("folder", project)
+            with hidden_on(emulated_cluster, "node2", hidden):
                 lacking = start_in(kernel, project, "-n 4 --launcher slurm --timeout 60")
-            error = lacking.text.split("UsageError: ")[-1].strip()
-            assert error.startswith("the ranks did not start (mpiexec exited): node2 "
-                                    + LACKING["folder"].format(project=project)), lacking.text
+            assert told_what_node2_lacks(lacking, told, "node2"), lacking.text
             assert not wait_nothing_left(emulated_cluster, 10)
             run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
             assert run.ok, run.text

@@ -489,16 +489,26 @@ def test_what_a_host_lacks_is_asked_by_one_script_and_told_in_one_line(tmp_path)
     import socket
     import sys
 
-    from mpilab.host_check import Needed, lacking_line, probe_script, read_answers
+    from mpilab.host_check import (
+        FOLDER,
+        MODULE,
+        Needed,
+        lacking_line,
+        probe_script,
+        read_answers,
+    )
 
     program = tmp_path / "bin" / "hydra_pmi_proxy"
     program.parent.mkdir()
     program.write_text("#!/bin/sh\n")
     program.chmod(0o755)
-    have = [Needed(str(tmp_path), folder=True), Needed(str(program), folder=False)]
-    lack = [Needed(str(tmp_path / "gone"), folder=True),
-            Needed(str(tmp_path / "bin" / "python"), folder=False)]
-    paths = [have[0], lack[0], have[1], lack[1]]
+    no_mpilab = tmp_path / "bin" / "python3"  # runs, imports nothing
+    no_mpilab.write_text("#!/bin/sh\nexit 1\n")
+    no_mpilab.chmod(0o755)
+    have = [Needed(str(tmp_path), FOLDER), Needed(str(program)), Needed(sys.executable, MODULE)]
+    lack = [Needed(str(tmp_path / "gone"), FOLDER), Needed(str(tmp_path / "bin" / "python")),
+            Needed(str(no_mpilab), MODULE)]
+    paths = [have[0], lack[0], have[1], lack[1], have[2], lack[2]]
     said = subprocess.run(["sh", "-c", probe_script(paths)], capture_output=True, text=True,
                           check=True).stdout
     host = socket.gethostname()
@@ -507,11 +517,15 @@ def test_what_a_host_lacks_is_asked_by_one_script_and_told_in_one_line(tmp_path)
                             check=True).stdout
     assert silent == "" and read_answers(silent, have) == {} and lacking_line({}) is None
 
-    # the program first: without the environment the folder does not matter
+    # a program first, then mpilab: without the environment the folder does not matter
     assert lacking_line({"node2": lack}) == (
         f"node2 has no {lack[1].path}: the ranks run this kernel's Python environment "
         f"({sys.prefix}) at the same path on every host; install it there, or keep it on a "
         "file system every host shares")
+    assert lacking_line({"node2": lack[::2]}) == (
+        f"on node2, {no_mpilab} cannot import mpilab: install mpilab in that environment "
+        "there, or keep the environment (and an editable install's source) on a file system "
+        "every host shares")
     assert lacking_line({"node2": [lack[0]], "node3": [lack[0]]}) == (
         f"node2 and node3 have no folder {lack[0].path}, this notebook's folder, where "
         "mpiexec starts the ranks: `%cd` to a folder every host shares (a home or project "
@@ -520,8 +534,8 @@ def test_what_a_host_lacks_is_asked_by_one_script_and_told_in_one_line(tmp_path)
     output = ("srun: error: node2: task 1: Exited with exit code 2\n"
               "slurmstepd-node2: error: execve(): /opt/venv/bin/hydra_pmi_proxy: No such "
               "file or directory\n")
-    proxy = Needed("/opt/venv/bin/hydra_pmi_proxy", folder=False)
-    assert read_answers(output, [Needed("/work", folder=True), proxy]) == {"node2": [proxy]}
+    proxy = Needed("/opt/venv/bin/hydra_pmi_proxy")
+    assert read_answers(output, [Needed("/work", FOLDER), proxy]) == {"node2": [proxy]}
 
 
 def test_allocation_tasks_from_slurm_variables(monkeypatch):
