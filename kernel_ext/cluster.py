@@ -280,7 +280,6 @@ class RankCluster:
         deadline = time.monotonic() + timeout
         next_look = 0.0
         while len(client.ids) < n:
-            self._hold_launched(self._ipp_cluster)
             now = time.monotonic()
             if now > deadline:
                 raise ClusterError(self._start_failure(TimeoutError(
@@ -288,6 +287,7 @@ class RankCluster:
                     + self._job_state_note())))
             if now >= next_look:
                 next_look = now + 1.0
+                self._hold_launched(self._ipp_cluster)
                 ended = self._launcher_ended()
                 if ended:
                     raise ClusterError(self._start_failure(RuntimeError(ended)))
@@ -352,9 +352,9 @@ class RankCluster:
         return msg
 
     def _what_hosts_lack(self, output: str) -> str | None:
-        """Which host lacks the folder or the environment the ranks need, where one
-        does: as a batch job's nodes (or slurmstepd) said in its output, else as the
-        hosts answer when asked now."""
+        """Which host lacks the environment, mpilab in it, or the folder the ranks need,
+        where one does: as a batch job's nodes (or slurmstepd) said in its output, else
+        as the hosts answer when asked now."""
         return host_check.lacking_line(host_check.read_answers(output, self._needed)
                                        or self._ask_the_hosts(output))
 
@@ -365,9 +365,10 @@ class RankCluster:
         cfg = self.config
         if cfg.launcher == "slurm" and placement.in_allocation():
             return host_check.ask_with_srun(self._needed)
-        for job in _slurm_jobs(self._ipp_cluster):
-            nodes = slurm_job_nodes(job)
-            return host_check.ask_with_srun(self._needed, job, nodes) if nodes else {}
+        jobs = _slurm_jobs(self._ipp_cluster)
+        if jobs:
+            nodes = slurm_job_nodes(jobs[0])
+            return host_check.ask_with_srun(self._needed, jobs[0], nodes) if nodes else {}
         if cfg.hostfile and not said_by_a_tool(output):
             hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
                      if not placement.is_this_host(host)]

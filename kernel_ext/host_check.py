@@ -127,8 +127,8 @@ def ask_with_srun(paths: list[Needed], job: str | None = None, nodes: int | None
     """node -> the paths it lacks, asked with srun: in the allocation this kernel is in,
     or in the running job `job` of `nodes` nodes."""
     command = srun_probe(paths, job, str(nodes)) if job else srun_probe(paths)
-    try:
-        done = subprocess.run(["sh", "-c", command], capture_output=True, text=True,
+    try:  # srun in the shell's place: a timeout ends srun itself
+        done = subprocess.run(["sh", "-c", "exec " + command], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.TimeoutExpired):
         return {}
