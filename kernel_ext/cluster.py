@@ -304,8 +304,8 @@ class RankCluster:
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
             job = getattr(engine_set, "job_id", None)
             if job:
-                state = slurm_job_state(job)
-                if state is None or state in SLURM_ENDED:
+                state = placement.slurm_job_state(job)
+                if state is None or state in placement.SLURM_END_STATES:
                     return f"the Slurm job {job} ended ({state or 'gone'})"
                 continue
             process = getattr(engine_set, "process", None)
@@ -331,7 +331,7 @@ class RankCluster:
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
             job = getattr(engine_set, "job_id", None)
             if job:
-                state = slurm_job_state(job, with_reason=True)
+                state = placement.slurm_job_state(job, with_reason=True)
                 return f"; the Slurm job {job} is {state or 'gone'}"
         return ""
 
@@ -367,7 +367,7 @@ class RankCluster:
             return host_check.ask_with_srun(self._needed)
         jobs = _slurm_jobs(self._ipp_cluster)
         if jobs:
-            nodes = slurm_job_nodes(jobs[0])
+            nodes = placement.slurm_job_nodes(jobs[0])
             return host_check.ask_with_srun(self._needed, jobs[0], nodes) if nodes else {}
         if cfg.hostfile and not said_by_a_tool(output):
             hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
@@ -451,7 +451,7 @@ class RankCluster:
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:
-            _cancel(job, wait=0 if fast else SLURM_CANCEL_WAIT_S)
+            placement.cancel_job(job, wait=0 if fast else placement.SLURM_CANCEL_WAIT_S)
         if client is not None:
             try:
                 client.close()
@@ -659,53 +659,9 @@ def _gone(proc) -> bool:
         return True
 
 
-SLURM_ENDED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
-               "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
-SLURM_CANCEL_WAIT_S = 15.0
-
-
-def _squeue(job: str, fmt: str) -> str | None:
-    """squeue's `fmt` for `job`; None once the job is gone, 'UNKNOWN' where squeue fails."""
-    import subprocess
-
-    try:
-        done = subprocess.run(["squeue", "-h", "-j", str(job), "-o", fmt],
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return "UNKNOWN"
-    out = done.stdout.strip()
-    if done.returncode != 0 and "Invalid job id" not in done.stderr:
-        return "UNKNOWN"
-    return out or None
-
-
-def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
-    """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
-    return _squeue(job, "%T (%r)" if with_reason else "%T")
-
-
-def slurm_job_nodes(job: str) -> int | None:
-    """How many nodes the job holds while it runs (None: it does not run)."""
-    state, _, nodes = (_squeue(job, "%T %D") or "").partition(" ")
-    return int(nodes) if state == "RUNNING" and nodes.isdigit() else None
-
-
 def _slurm_jobs(cluster) -> list[str]:
     return [job for engine_set in getattr(cluster, "engines", {}).values()
             if (job := getattr(engine_set, "job_id", None))]
-
-
-def _cancel(job: str, wait: float) -> None:
-    """scancel the job and wait (up to `wait` s) until squeue no longer lists it."""
-    import subprocess
-
-    try:
-        subprocess.run(["scancel", str(job)], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and slurm_job_state(job) is not None:
-        time.sleep(0.2)
 
 
 def _cmdline(proc) -> list[str]:

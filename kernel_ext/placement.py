@@ -3,8 +3,8 @@
 Past one host mpilab rides on MPI's and Slurm's own launchers; what it decides itself is
 small and lives here: the address the controller, the record channel and the lifeline
 listen on (one the ranks' hosts reach, on that interface only), how a Slurm job is
-asked for, and whether an existing allocation can hold the ranks. Each problem is one
-line that says what to do.
+asked for, watched and cancelled, and whether an existing allocation can hold the ranks.
+Each problem is one line that says what to do.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import re
 import shlex
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -106,7 +107,7 @@ SLURM_MPIEXEC_ARGS = ("-launcher", "slurm", "-launcher-exec", "srun", "-rmk", "s
 # what slurmstepd writes into a job's output when Slurm ends it: "*** JOB 5 ON node1
 # CANCELLED AT 2026-12-04T18:21:49 DUE TO TIME LIMIT ***" (a step's: "STEP 5.0"; older
 # versions leave out "ON node1"; no reason: cancelled by a user, scancel)
-_SLURM_ENDED = re.compile(r"\*\*\* (?:JOB|STEP) (?P<job>\d+)(?:\.\S+)?(?: ON \S+)? "
+_CANCELLED_LINE = re.compile(r"\*\*\* (?:JOB|STEP) (?P<job>\d+)(?:\.\S+)?(?: ON \S+)? "
                           r"CANCELLED AT \S*?T?(?P<at>\d\d:\d\d:\d\d)\S*"
                           r"(?: DUE TO (?P<why>[A-Z ]+))?")
 # the reason's words -> (what befell the job, what the user can do about it)
@@ -118,7 +119,7 @@ _SLURM_WHY = {"TIME LIMIT": ("reached its time limit", "`%mpilab start --time` s
 def slurm_job_ended(output: str) -> str | None:
     """Why Slurm ended the job whose output this is ('the Slurm job 5 reached its time
     limit at 18:21:49 (…)'), or None where it says nothing of the kind."""
-    found = _SLURM_ENDED.search(output)
+    found = _CANCELLED_LINE.search(output)
     if found is None:
         return None
     why = (found["why"] or "").strip()
@@ -126,6 +127,47 @@ def slurm_job_ended(output: str) -> str | None:
                                       else "was cancelled", ""))
     return f"the Slurm job {found['job']} {what} at {found['at']}" + \
         (f" ({hint})" if hint else "")
+
+
+# squeue's states of a job that has ended
+SLURM_END_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+                    "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+SLURM_CANCEL_WAIT_S = 15.0
+
+
+def _squeue(job: str, fmt: str) -> str | None:
+    """squeue's `fmt` for `job`; None once the job is gone, 'UNKNOWN' where squeue fails."""
+    try:
+        done = subprocess.run(["squeue", "-h", "-j", str(job), "-o", fmt],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return "UNKNOWN"
+    out = done.stdout.strip()
+    if done.returncode != 0 and "Invalid job id" not in done.stderr:
+        return "UNKNOWN"
+    return out or None
+
+
+def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
+    """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
+    return _squeue(job, "%T (%r)" if with_reason else "%T")
+
+
+def slurm_job_nodes(job: str) -> int | None:
+    """How many nodes the job holds while it runs (None: it does not run)."""
+    state, _, nodes = (_squeue(job, "%T %D") or "").partition(" ")
+    return int(nodes) if state == "RUNNING" and nodes.isdigit() else None
+
+
+def cancel_job(job: str, wait: float) -> None:
+    """scancel the job and wait (up to `wait` s) until squeue no longer lists it."""
+    try:
+        subprocess.run(["scancel", str(job)], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and slurm_job_state(job) is not None:
+        time.sleep(0.2)
 
 
 def in_allocation() -> bool:
