@@ -93,7 +93,9 @@ class LinesInProgress:
     the notebook redraws in place. The merged output shows a line once it ends; a bar
     redrawn with carriage returns (tqdm's text bar) ends when its loop does, so this is
     where it is followed. A line is shown once it has been unfinished for `after`
-    seconds, so a line printed in pieces does not flash by."""
+    seconds, so a line printed in pieces does not flash by; the time counts from the
+    first rank's start of that line of the stream, so the ranks' bars, begun a few ms
+    apart, appear together rather than one a redraw after the other."""
 
     def __init__(self, single: bool, after: float = IN_PROGRESS_AFTER_S):
         self.single = single  # one rank: no rank prefix, as in the merged output
@@ -104,14 +106,17 @@ class LinesInProgress:
         """The block for `lines`: (rank, stream) -> (the line's number in its stream,
         the line as it stands); identical lines once, naming their ranks."""
         since: dict[tuple[int, str], tuple[int, float]] = {}
-        ranks_of: dict[str, set[int]] = {}
-        for key, (number, line) in lines.items():
+        first: dict[tuple[str, int], float] = {}  # (stream, line number) -> earliest start
+        for key, (number, _) in lines.items():
             seen = self._since.get(key)
             began = seen[1] if seen is not None and seen[0] == number else now
             since[key] = (number, began)
-            if now - began >= self.after and line.strip():
-                ranks_of.setdefault(line[:IN_PROGRESS_WIDTH], set()).add(key[0])
+            first[key[1], number] = min(began, first.get((key[1], number), began))
         self._since = since
+        ranks_of: dict[str, set[int]] = {}
+        for key, (number, line) in lines.items():
+            if now - first[key[1], number] >= self.after and line.strip():
+                ranks_of.setdefault(line[:IN_PROGRESS_WIDTH], set()).add(key[0])
         rows = sorted((sorted(ranks), line) for line, ranks in ranks_of.items())
         shown = [line if self.single else f"[{rank_label(ranks)}] {line}"
                  for ranks, line in rows[:IN_PROGRESS_SHOWN]]

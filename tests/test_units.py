@@ -752,6 +752,12 @@ def test_lines_in_progress_show_once_they_stay_unfinished():
     assert block.text(bar, now=0.8) == "[rank 0] train 10%"
     assert block.text(bar, now=1.4) == "[rank 0] train 10%\n[rank 1] eval 0%"
     assert block.text({}, now=1.5) == ""
+    # the ranks' bars begun a few ms apart appear together, at the first one's time
+    apart = LinesInProgress(single=False, after=0.5)
+    assert apart.text({(1, "stderr"): (2, "train 0%")}, now=2.0) == ""
+    bars = {(1, "stderr"): (2, "train 5%"), (0, "stderr"): (2, "train 0%")}
+    assert apart.text(bars, now=2.01) == ""
+    assert apart.text(bars, now=2.5) == "[rank 0] train 0%\n[rank 1] train 5%"
     one = LinesInProgress(single=True, after=0.0)
     assert one.text({(0, "stdout"): (0, "step 3")}, now=0.0) == "step 3"
     many = {(r, "stderr"): (0, f"rank {r} at {r}%") for r in range(IN_PROGRESS_SHOWN + 5)}
