@@ -338,10 +338,10 @@ class RankCluster:
     def _start_failure(self, error: Exception) -> str:
         """One line: what happened and the launcher's own word for why (ssh's, sbatch's,
         srun's, an engine's), then where the launcher's whole output is."""
-        output = self.engine_output(lines=200)
+        output = self.engine_output(lines=None)
         what = str(error).splitlines()[0] if str(error) else type(error).__name__
         msg = f"the ranks did not start ({what})"
-        cause = self._what_hosts_lack(self.engine_output(lines=None)) or telling_line(output)
+        cause = self._what_hosts_lack(output) or telling_line(output)
         if cause:
             msg += f": {cause}"
         elif output:
