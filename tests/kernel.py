@@ -5,13 +5,18 @@ Each message is timestamped on arrival so tests can check that output streams li
 
 from __future__ import annotations
 
+import json
 import os
 import queue
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
-from jupyter_client.manager import start_new_kernel
+from jupyter_client.kernelspec import KernelSpecManager
+from jupyter_client.manager import KernelManager, start_new_kernel
 
 
 @dataclass
@@ -74,12 +79,21 @@ class CellRun:
 
 
 class Kernel:
-    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None):
-        """env: variables added to this process's environment for the kernel."""
+    def __init__(self, cwd: str | None = None, env: dict[str, str] | None = None,
+                 wrap: list[str] | None = None):
+        """env: variables added to this process's environment for the kernel.
+        wrap: a command line the kernel's own runs inside (`nsenter … --`: a kernel on
+        an emulated host, reached through Unix sockets in a shared folder)."""
         kwargs = {"cwd": cwd} if cwd else {}
         if env:
             kwargs["env"] = {**os.environ, **env}
-        self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
+        # a wrapped kernel's spec and sockets, removed when this object goes
+        self._folder = None if wrap is None else tempfile.TemporaryDirectory(
+            prefix="mpilab-kernel-")
+        if wrap is None:
+            self.km, self.kc = start_new_kernel(kernel_name="python3", **kwargs)
+        else:
+            self.km, self.kc = _start_wrapped(wrap, kwargs, Path(self._folder.name))
         self._backlog: list[dict] = []
         self._poller = zmq.Poller()
         for channel in (self.kc.iopub_channel, self.kc.stdin_channel):
@@ -150,8 +164,34 @@ class Kernel:
 
     @property
     def pid(self) -> int:
+        """The process the kernel was started as (for a wrapped kernel, the wrapper)."""
         return self.km.provisioner.process.pid
 
     def shutdown(self) -> None:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
+
+
+def _start_wrapped(wrap: list[str], kwargs: dict, folder: Path):
+    """A kernel whose command line runs inside `wrap`, from a kernel spec of its own in
+    `folder`. Its channels are Unix sockets in `folder` (a kernel in another network
+    namespace cannot be reached on this one's loopback, and jupyter_client binds TCP to
+    this host's own addresses only); interrupts go as messages (a signal to the wrapper
+    would not reach the kernel)."""
+    (folder / "wrapped").mkdir()
+    (folder / "wrapped" / "kernel.json").write_text(json.dumps({
+        "argv": [*wrap, sys.executable, "-m", "ipykernel_launcher", "-f",
+                 "{connection_file}"],
+        "display_name": "wrapped", "language": "python", "interrupt_mode": "message"}))
+    km = KernelManager(kernel_name="wrapped", transport="ipc", ip=str(folder / "channel"),
+                       kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(folder)]))
+    km.start_kernel(**kwargs)
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+    except RuntimeError:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc

@@ -1,7 +1,8 @@
 """Ranks on several hosts: mpiexec over ssh and Slurm, on the emulated cluster.
 
 The hosts are network, UTS and PID namespaces on this machine (tests/cluster.py) running
-a real sshd and a real slurmd; the notebook kernel runs on the head side. These tests
+a real sshd and a real slurmd; the notebook kernel runs on the head side (in one test
+on node1, beside ranks of its own). These tests
 prove real daemons and real TCP between namespaces; not real NICs, not InfiniBand.
 One cluster of ranks is shared by the tests of each launcher where state allows.
 """
@@ -24,7 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 from kernel import Kernel
-from listeners import is_hydra, listeners_of
+from listeners import is_hydra, listeners_of, listeners_of_pids
 
 REPO = Path(__file__).resolve().parents[1]
 NODES = ("node1", "node2")
@@ -259,15 +260,18 @@ def test_ssh_ranks_listen_on_the_cluster_network_only(ssh_ranks, emulated_cluste
     outside = [x for x in listeners_of(ssh_ranks.pid) if x.ip not in (head, "127.0.0.1")]
     assert all(is_hydra(x) for x in outside), outside
     for node in NODES:
-        address = emulated_cluster.node(node).address
-        for pid in node_processes(emulated_cluster, node):
-            try:
-                conns = psutil.Process(pid).net_connections("inet")
-            except psutil.Error:
-                continue
-            bad = [c.laddr for c in conns if c.status == psutil.CONN_LISTEN
-                   and c.laddr.ip not in (address, "127.0.0.1")]
-            assert not bad, f"{node} pid {pid} listens on {bad}"
+        assert_listens_on_its_network_only(emulated_cluster, node)
+
+
+def assert_listens_on_its_network_only(cluster, node: str) -> None:
+    """What the ranks run on `node` listens on that host's address on the cluster
+    network or its loopback, but hydra's control port (it binds every interface); the
+    ranks themselves do listen (the check sees them)."""
+    address = cluster.node(node).address
+    found = listeners_of_pids(node_processes(cluster, node))
+    assert any("mpilab.rank" in x.command for x in found), found
+    bad = [x for x in found if x.ip not in (address, "127.0.0.1") and not is_hydra(x)]
+    assert not bad, f"on {node}: {bad}"
 
 
 def test_ssh_data_parallel_on_digits_both_backends(ssh_ranks):
@@ -429,6 +433,44 @@ def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostf
     finally:
         kernel.kc.stop_channels()
         kernel.km.cleanup_resources()
+
+
+def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_kernel):
+    """JupyterLab on the first node of an allocation, ranks on that node and the next:
+    the kernel runs on node1 (its namespaces), with 2 ranks beside it and 2 on node2.
+    The ranks answer across the hosts, what runs listens on each host's address on the
+    cluster network or its loopback, and a killed kernel ends every rank on both."""
+    assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
+    node1 = emulated_cluster.node("node1").address
+    kernel = Kernel(env=emulated_cluster.env(),
+                    wrap=emulated_cluster.nsenter_argv("node1", [], cwd=REPO))
+    killed = False
+    try:
+        run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 --hostfile {hostfile}",
+                         timeout=240)
+        assert run.ok, run.text
+        assert "4 ranks on node1, node2" in run.stdout, run.text
+        run = kernel.run(CHECK_CELL, timeout=120)
+        assert run.ok, run.text
+        assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+        assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
+        notebook_side = [x for x in listeners_of(kernel.pid) if not is_hydra(x)]
+        assert notebook_side and all(x.ip in (node1, "127.0.0.1") for x in notebook_side), \
+            notebook_side
+        for node in NODES:
+            assert_listens_on_its_network_only(emulated_cluster, node)
+        (process,) = psutil.Process(kernel.pid).children()  # the kernel, inside nsenter
+        process.kill()
+        killed = True
+        left = wait_nothing_left(emulated_cluster, 10)
+        assert not left, left
+    finally:
+        if not killed:
+            kernel.run("%mpilab stop", timeout=120)
+            kernel.shutdown()
+        kernel.kc.stop_channels()
+        kernel.km.cleanup_resources()
+        assert not wait_nothing_left(emulated_cluster, 15)
 
 
 @pytest.mark.parametrize("line, message", [
