@@ -601,6 +601,8 @@ def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulat
     assert check.ok, check.text
     assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in check.stdout, check.text
     assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in check.stdout, check.text
+    for node in NODES:  # inside the job as over ssh: the cluster network or loopback
+        assert_listens_on_its_network_only(emulated_cluster, node)
     assert slurm_kernel.run(DIGITS_SETUP, timeout=120).ok
     trained = slurm_kernel.run("%%ranks\nacc = train_and_score('mpi')\n"
                                "print(acc >= 0.95, f'{acc:.3f}')", timeout=300)
