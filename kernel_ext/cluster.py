@@ -166,6 +166,11 @@ class RankCluster:
     # as they appear, so that a stop after mpiexec died first still ends them (an srun
     # left alone keeps its step, and a proxy on another node, alive)
     _launched: list = field(default_factory=list)
+    # in an allocation: its job id and the steps of mpiexec's proxies it ran before this
+    # start; those that appeared since and outlive the start's processes are cancelled
+    # (an srun orphaned by an mpiexec that died within the first second is never seen
+    # among mpiexec's children, and its step keeps the allocation's tasks busy)
+    _allocation: tuple[str, set[str]] | None = None
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
 
@@ -195,11 +200,13 @@ class RankCluster:
         mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
         self._needed = host_check.needed(mpiexec)
         if into_allocation:
+            job = os.environ["SLURM_JOB_ID"]
             held = placement.allocation_tasks()
             if held is not None and held < cfg.n:
                 raise ClusterError(
-                    f"the Slurm allocation {os.environ['SLURM_JOB_ID']} holds {held} tasks, "
+                    f"the Slurm allocation {job} holds {held} tasks, "
                     f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
+            self._allocation = (job, placement.proxy_steps(job))
         where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
         if not where.remote and not placement.in_allocation():  # every rank on this host
             check_memory_here(cfg.n, ", or place them on several hosts (--hostfile, "
@@ -448,6 +455,11 @@ class RankCluster:
         if not fast:
             _wait_for_exit(launched, timeout=ENGINE_EXIT_WAIT_S)
         _end_survivors(launched, graceful=not fast)
+        if self._allocation is not None:
+            job, before = self._allocation
+            self._allocation = None
+            placement.cancel_steps(placement.proxy_steps(job) - before,
+                                   wait=0 if fast else placement.SLURM_CANCEL_WAIT_S)
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:

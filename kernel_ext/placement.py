@@ -170,6 +170,37 @@ def cancel_job(job: str, wait: float) -> None:
         time.sleep(0.2)
 
 
+PROXY_STEP_NAME = "hydra_pmi_proxy"  # srun names a step after its program: mpiexec's proxies
+
+
+def proxy_steps(job: str) -> set[str]:
+    """The steps of `job` that run mpiexec's proxies, as JOB.STEP (none where squeue
+    cannot say)."""
+    try:
+        done = subprocess.run(["squeue", "-h", "--steps", "-j", str(job), "-o", "%i %j"],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {step for step, _, name in (line.strip().partition(" ")
+                                       for line in done.stdout.splitlines())
+            if name.strip() == PROXY_STEP_NAME}
+
+
+def cancel_steps(steps: set[str], wait: float) -> None:
+    """scancel `steps` (JOB.STEP) and wait (up to `wait` s) until squeue no longer lists
+    them: their tasks free the allocation's cores for the next start."""
+    if not steps:
+        return
+    try:
+        subprocess.run(["scancel", *sorted(steps)], capture_output=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    job = next(iter(steps)).partition(".")[0]
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and proxy_steps(job) & steps:
+        time.sleep(0.2)
+
+
 def in_allocation() -> bool:
     """An existing allocation (salloc, or a batch job's shell) that ranks go into."""
     return bool(os.environ.get("SLURM_JOB_ID"))

@@ -166,6 +166,22 @@ def rank_lines(run) -> list[str]:
     return [line for line in run.stdout.splitlines() if line.startswith("[rank")]
 
 
+@contextlib.contextmanager
+def allocation(cluster) -> Iterator[tuple[str, dict[str, str]]]:
+    """salloc's allocation of 2 nodes, 2 tasks each, as `salloc --no-shell` makes it: its
+    job id and the variables a shell inside it has (the kernel's environment)."""
+    out = cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
+                            "--ntasks-per-node", "2", "-t", "10").stderr
+    job = next(w for w in out.split() if w.isdigit())
+    try:
+        yield job, {**cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job,
+                    "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
+                    "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
+                    "SLURM_TASKS_PER_NODE": "2(x2)"}
+    finally:
+        cluster.slurm_cmd("scancel", job, check=False)
+
+
 # -- mpiexec over ssh --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ssh_kernel(emulated_cluster):
@@ -435,19 +451,31 @@ def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostf
         kernel.km.cleanup_resources()
 
 
-def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_kernel):
-    """JupyterLab on the first node of an allocation, ranks on that node and the next:
-    the kernel runs on node1 (its namespaces), with 2 ranks beside it and 2 on node2.
-    The ranks answer across the hosts, what runs listens on each host's address on the
-    cluster network or its loopback, and a killed kernel ends every rank on both."""
+@pytest.mark.parametrize("launcher", ["ssh", "allocation"])
+def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_kernel,
+                                              launcher):
+    """JupyterLab on the first node of an allocation (or of a hostfile), ranks on that
+    node and the next: the kernel runs on node1 (its namespaces), with 2 ranks beside it
+    and 2 on node2. The ranks answer across the hosts, what runs listens on each host's
+    address on the cluster network or its loopback, and a killed kernel ends every rank
+    on both."""
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
-    node1 = emulated_cluster.node("node1").address
-    kernel = Kernel(env=emulated_cluster.env(),
-                    wrap=emulated_cluster.nsenter_argv("node1", [], cwd=REPO))
+    with contextlib.ExitStack() as stack:
+        if launcher == "ssh":
+            env, start = emulated_cluster.env(), f"--hostfile {hostfile}"
+        else:
+            env, start = stack.enter_context(allocation(emulated_cluster))[1], \
+                "--launcher slurm"
+        notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start)
+
+
+def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str],
+                                                    start: str) -> None:
+    node1 = cluster.node("node1").address
+    kernel = Kernel(env=env, wrap=cluster.nsenter_argv("node1", [], cwd=REPO))
     killed = False
     try:
-        run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 --hostfile {hostfile}",
-                         timeout=240)
+        run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 {start}", timeout=240)
         assert run.ok, run.text
         assert "4 ranks on node1, node2" in run.stdout, run.text
         run = kernel.run(CHECK_CELL, timeout=120)
@@ -458,11 +486,11 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
         assert notebook_side and all(x.ip in (node1, "127.0.0.1") for x in notebook_side), \
             notebook_side
         for node in NODES:
-            assert_listens_on_its_network_only(emulated_cluster, node)
+            assert_listens_on_its_network_only(cluster, node)
         (process,) = psutil.Process(kernel.pid).children()  # the kernel, inside nsenter
         process.kill()
         killed = True
-        left = wait_nothing_left(emulated_cluster, 10)
+        left = wait_nothing_left(cluster, 10)
         assert not left, left
     finally:
         if not killed:
@@ -470,7 +498,7 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
             kernel.shutdown()
         kernel.kc.stop_channels()
         kernel.km.cleanup_resources()
-        assert not wait_nothing_left(emulated_cluster, 15)
+        assert not wait_nothing_left(cluster, 15)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -740,14 +768,7 @@ def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):
 def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
     """salloc's allocation (its variables in the kernel): the ranks go into it. A node
     without the notebook's folder is named (asked with srun in the allocation)."""
-    out = emulated_cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
-                                     "--ntasks-per-node", "2", "-t", "10").stderr
-    job = next(w for w in out.split() if w.isdigit())
-    try:
-        env = {**emulated_cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job,
-               "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
-               "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
-               "SLURM_TASKS_PER_NODE": "2(x2)"}
+    with allocation(emulated_cluster) as (job, env):
         kernel = Kernel(env=env)
         try:
             too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")
@@ -772,8 +793,6 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
         finally:
             kernel.run("%mpilab stop", timeout=120)
             kernel.shutdown()
-    finally:
-        emulated_cluster.slurm_cmd("scancel", job, check=False)
 
 
 def test_listen_address_is_chosen_or_one_line(tmp_path):
