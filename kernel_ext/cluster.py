@@ -196,12 +196,20 @@ class RankCluster:
         cfg = self.config
         cfg.validate()
         self.generation += 1
-        into_allocation = cfg.launcher == "slurm" and placement.in_allocation()
+        into_allocation = placement.into_allocation(cfg.launcher, cfg.hostfile)
         mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
         self._needed = host_check.needed(mpiexec)
         if into_allocation:
             job = os.environ["SLURM_JOB_ID"]
-            held = placement.allocation_tasks()
+            if cfg.slurm.given():  # they ask for a job of their own: said, not ignored
+                raise ClusterError(
+                    f"{cfg.slurm.given()[0]} asks for a new Slurm job, but this kernel runs "
+                    f"in Slurm allocation {job}, where the ranks go: start without it, or "
+                    "`%env SLURM_JOB_ID=` first to submit a job of their own")
+            # with --launcher slurm the allocation's tasks are the ranks' places; under
+            # plain mpiexec, as in the allocation's shell, ranks beyond them share its
+            # nodes (a job of one task and many cores, as JupyterLab in a job often is)
+            held = placement.allocation_tasks() if cfg.launcher == "slurm" else None
             if held is not None and held < cfg.n:
                 raise ClusterError(
                     f"the Slurm allocation {job} holds {held} tasks, "
@@ -370,7 +378,7 @@ class RankCluster:
         runs, asked with srun; else each host of the hostfile that was to take ranks,
         over ssh (unless ssh already said why it failed)."""
         cfg = self.config
-        if cfg.launcher == "slurm" and placement.in_allocation():
+        if placement.into_allocation(cfg.launcher, cfg.hostfile):
             return host_check.ask_with_srun(self._needed)
         jobs = _slurm_jobs(self._ipp_cluster)
         if jobs:

@@ -129,7 +129,8 @@ class MpilabMagics(Magics):
               metavar="BACKEND",
               help="torch.distributed's backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo")
     @argument("--launcher", default="mpi", metavar="LAUNCHER",
-              help="mpi (mpiexec) | slurm (a batch job, or the salloc allocation you are in)")
+              help="mpi (mpiexec: in the Slurm allocation you are in, its nodes) | slurm "
+                   "(a batch job, or the allocation you are in)")
     @argument("--hostfile", default=None, metavar="FILE",
               help="hosts for mpiexec (it reaches them over ssh)")
     @argument("--controller-ip", default=None, metavar="IP",

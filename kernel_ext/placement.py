@@ -202,8 +202,24 @@ def cancel_steps(steps: set[str], wait: float) -> None:
 
 
 def in_allocation() -> bool:
-    """An existing allocation (salloc, or a batch job's shell) that ranks go into."""
+    """This kernel runs in a Slurm allocation (salloc's shell, a batch job's: JupyterLab
+    started inside a job, as Open OnDemand does)."""
     return bool(os.environ.get("SLURM_JOB_ID"))
+
+
+def into_allocation(launcher: str, hostfile: str | None) -> bool:
+    """The ranks go into the allocation this kernel runs in: with `--launcher slurm`,
+    and under mpiexec without a hostfile too, as `mpiexec -n N` in that allocation's
+    shell would (MPICH's mpiexec finds the allocation and starts the ranks on its nodes
+    with srun); so the notebook listens where those nodes reach it, and the start
+    checks the allocation's size."""
+    return in_allocation() and (launcher == "slurm" or not hostfile)
+
+
+def allocation_hosts() -> list[str]:
+    """The node names of the allocation this kernel runs in."""
+    return slurm_query("scontrol", "show", "hostnames",
+                       os.environ.get("SLURM_JOB_NODELIST", "")).split()
 
 
 def allocation_tasks() -> int | None:
@@ -306,8 +322,8 @@ def slurm_query(*command: str) -> str:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=SLURM_QUERY_S)
     except FileNotFoundError:
-        raise ClusterError(f"{command[0]} not found: --launcher slurm needs Slurm's commands "
-                           "on this host's PATH") from None
+        raise ClusterError(f"{command[0]} not found: {_needs_slurm()} Slurm's commands on "
+                           "this host's PATH") from None
     except subprocess.TimeoutExpired:
         raise ClusterError(f"{' '.join(command)} did not answer in {SLURM_QUERY_S:.0f} s: "
                            "is slurmctld running?") from None
@@ -316,17 +332,24 @@ def slurm_query(*command: str) -> str:
         last = said[-1] if said else "failed"
         if not last.startswith(f"{command[0]}:"):  # Slurm's commands name themselves
             last = f"{command[0]}: {last}"
-        raise ClusterError(f"{last} (--launcher slurm needs this host's Slurm commands to "
-                           "reach slurmctld: check slurm.conf, or start without it)")
+        advice = "" if in_allocation() else ", or start without it"
+        raise ClusterError(f"{last} ({_needs_slurm()} this host's Slurm commands to reach "
+                           f"slurmctld: check slurm.conf{advice})")
     return done.stdout
+
+
+def _needs_slurm() -> str:
+    """Who needs Slurm's commands here: the ranks going into this kernel's allocation
+    (whatever the launcher), else --launcher slurm."""
+    return ("the ranks going into this kernel's Slurm allocation (SLURM_JOB_ID is set) need"
+            if in_allocation() else "--launcher slurm needs")
 
 
 def first_slurm_node_address(settings: SlurmSettings) -> str | None:
     """The address of the first node the ranks may land on: the allocation's, else the
     partition's (sinfo's NodeAddr, which is what slurmd is reached at)."""
     if in_allocation() and os.environ.get("SLURM_JOB_NODELIST"):
-        first = slurm_query("scontrol", "show", "hostnames",
-                            os.environ["SLURM_JOB_NODELIST"]).split()[0]
+        first = allocation_hosts()[0]
         rows = slurm_query("sinfo", "-h", "-N", "-n", first, "-o", "%N %o").split()
     else:
         partition = ["-p", settings.partition] if settings.partition else []
@@ -350,7 +373,10 @@ def place(launcher: str, hostfile: str | None, controller_ip: str | None,
           slurm: SlurmSettings) -> Placement:
     """Choose the address the ranks reach the notebook at: the given one, else loopback
     when they run here, else the route towards the first rank's host."""
-    if launcher == "slurm":
+    if into_allocation(launcher, hostfile) and os.environ.get("SLURM_JOB_NODELIST") and \
+            all(is_this_host(host) for host in allocation_hosts()):
+        return _given_or_loopback(controller_ip)  # an allocation of this host alone
+    if launcher == "slurm" or into_allocation(launcher, hostfile):
         address = first_slurm_node_address(slurm)
         first = address
     elif hostfile:

@@ -456,16 +456,16 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
                                               launcher):
     """JupyterLab on the first node of an allocation (or of a hostfile), ranks on that
     node and the next: the kernel runs on node1 (its namespaces), with 2 ranks beside it
-    and 2 on node2. The ranks answer across the hosts, what runs listens on each host's
-    address on the cluster network or its loopback, and a killed kernel ends every rank
-    on both."""
+    and 2 on node2. In the allocation a plain `%mpilab start -n 4` goes into it, as
+    `mpiexec -n 4` in its shell would. The ranks answer across the hosts, what runs
+    listens on each host's address on the cluster network or its loopback, and a killed
+    kernel ends every rank on both."""
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
     with contextlib.ExitStack() as stack:
         if launcher == "ssh":
             env, start = emulated_cluster.env(), f"--hostfile {hostfile}"
         else:
-            env, start = stack.enter_context(allocation(emulated_cluster))[1], \
-                "--launcher slurm"
+            env, start = stack.enter_context(allocation(emulated_cluster))[1], ""
         notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start)
 
 

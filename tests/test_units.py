@@ -548,6 +548,44 @@ def test_allocation_tasks_from_slurm_variables(monkeypatch):
     assert allocation_tasks() == 4
 
 
+def test_ranks_go_into_the_allocation_the_kernel_runs_in(monkeypatch):
+    """In a Slurm allocation (salloc's shell, JupyterLab inside a job) the ranks go into
+    it with --launcher slurm, and under mpiexec without a hostfile, as mpiexec would;
+    an allocation of this host alone is reached on the loopback."""
+    import socket
+
+    from mpilab import placement
+
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    assert not placement.into_allocation("slurm", None)
+    assert not placement.into_allocation("mpi", None)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    assert placement.into_allocation("slurm", None)
+    assert placement.into_allocation("mpi", None)
+    assert placement.into_allocation("slurm", "hosts.txt")
+    assert not placement.into_allocation("mpi", "hosts.txt")  # the hostfile says where
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "here")
+    monkeypatch.setattr(placement, "allocation_hosts", lambda: [socket.gethostname()])
+    here = placement.place("mpi", None, None, placement.SlurmSettings())
+    assert (here.listen_ip, here.remote) == ("127.0.0.1", False)
+
+
+def test_job_settings_inside_an_allocation_are_one_line_not_ignored(monkeypatch):
+    from mpilab.cluster import ClusterConfig, ClusterError, RankCluster
+    from mpilab.placement import SlurmSettings
+
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    ranks = RankCluster(ClusterConfig(n=2, launcher="slurm",
+                                      slurm=SlurmSettings(partition="gpu", nodes="2")))
+    with pytest.raises(ClusterError) as told:
+        ranks.start()
+    assert str(told.value) == (
+        "--partition asks for a new Slurm job, but this kernel runs in Slurm allocation 42, "
+        "where the ranks go: start without it, or `%env SLURM_JOB_ID=` first to submit a "
+        "job of their own")
+    assert not ranks.running
+
+
 def test_the_launchers_telling_line_is_picked():
     from mpilab.cluster import telling_line
 
