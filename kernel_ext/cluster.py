@@ -216,6 +216,7 @@ class RankCluster:
                     f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
             self._allocation = (job, placement.proxy_steps(job))
         where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
+        placement.check_transports(where.listen_ip, cfg.n)
         if not where.remote and not placement.in_allocation():  # every rank on this host
             check_memory_here(cfg.n, ", or place them on several hosts (--hostfile, "
                                      "--launcher slurm)")

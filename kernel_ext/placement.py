@@ -410,5 +410,26 @@ def place(launcher: str, hostfile: str | None, controller_ip: str | None,
     return Placement(source, remote=True, first_host=first)
 
 
+# UCX's shared-memory transports, and its names for all of them
+_UCX_SHARED_MEMORY = {"sm", "shm", "posix", "sysv", "cma", "knem", "xpmem", "all"}
+
+
+def check_transports(listen_ip: str, n: int) -> None:
+    """Ranks that all run on this host keep MPI's TCP transport on the loopback (each
+    rank's UCX_NET_DEVICES), over which UCX's TCP transport does not run: they talk
+    through shared memory, which a UCX_TLS of the user's must then leave them."""
+    tls = os.environ.get("UCX_TLS", "").strip()
+    if not tls or n < 2 or not ipaddress.ip_address(listen_ip).is_loopback:
+        return
+    names = {name.strip().lower() for name in tls.lstrip("^").split(",")}
+    excluding = tls.startswith("^")  # every transport but these
+    if (not names & {"sm", "shm", "all"}) if excluding else names & _UCX_SHARED_MEMORY:
+        return
+    fix = "take sm out of its exclusions" if excluding else f"add sm (UCX_TLS=sm,{tls})"
+    raise ClusterError(f"UCX_TLS={tls} leaves MPI no way between ranks on this host: they "
+                       "talk through shared memory, and UCX's TCP transport does not run "
+                       f"over the loopback they keep it on: {fix}, or unset UCX_TLS")
+
+
 def _given_or_loopback(controller_ip: str | None) -> Placement:
     return Placement(controller_ip or LOOPBACK, remote=False)

@@ -586,6 +586,33 @@ def test_job_settings_inside_an_allocation_are_one_line_not_ignored(monkeypatch)
     assert not ranks.running
 
 
+def test_a_ucx_tls_without_shared_memory_on_one_host_is_one_line(monkeypatch):
+    """Ranks on this host alone keep MPI's TCP on the loopback, where UCX's TCP does not
+    run (mpiexec then fails with UCX's `no active messages transport`): UCX_TLS=tcp is
+    one line before anything starts; one that leaves shared memory, or ranks on other
+    hosts, pass."""
+    from mpilab.cluster import ClusterConfig, ClusterError, RankCluster
+    from mpilab.placement import check_transports
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    ranks = RankCluster(ClusterConfig(n=2))
+    with pytest.raises(ClusterError) as told:
+        ranks.start()
+    assert str(told.value) == (
+        "UCX_TLS=tcp,self leaves MPI no way between ranks on this host: they talk through "
+        "shared memory, and UCX's TCP transport does not run over the loopback they keep "
+        "it on: add sm (UCX_TLS=sm,tcp,self), or unset UCX_TLS")
+    assert not ranks.running
+    check_transports("10.1.2.3", 2)  # across hosts: TCP on their network
+    check_transports("127.0.0.1", 1)
+    for usable in ("sm,tcp,self", "posix,tcp", "^ib", "all"):
+        monkeypatch.setenv("UCX_TLS", usable)
+        check_transports("127.0.0.1", 4)
+    monkeypatch.setenv("UCX_TLS", "^sm")
+    with pytest.raises(ClusterError, match="take sm out of its exclusions"):
+        check_transports("127.0.0.1", 4)
+
+
 def test_the_launchers_telling_line_is_picked():
     from mpilab.cluster import telling_line
 
