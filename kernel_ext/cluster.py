@@ -214,7 +214,6 @@ class RankCluster:
                 raise ClusterError(
                     f"the Slurm allocation {job} holds {held} tasks, "
                     f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
-            self._allocation = (job, placement.proxy_steps(job))
         where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
         placement.check_transports(where.listen_ip, cfg.n)
         if not where.remote and not placement.in_allocation():  # every rank on this host
@@ -228,6 +227,9 @@ class RankCluster:
         self._receiver = RecordReceiver(self.store, ip=where.listen_ip)
         self.input_desk = InputDesk(ip=where.listen_ip)
         self._lifeline = lifeline.Lifeline(where.listen_ip)
+        if into_allocation:  # what runs there before; the stop cancels what this leaves
+            job = os.environ["SLURM_JOB_ID"]
+            self._allocation = (job, placement.proxy_steps(job))
         try:
             self._start_engines(mpiexec, where, into_allocation)
             self._bootstrap()
