@@ -16,6 +16,7 @@ import shlex
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -135,10 +136,12 @@ SLURM_END_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", 
 SLURM_CANCEL_WAIT_S = 15.0
 
 
-def _squeue(job: str, fmt: str) -> str | None:
-    """squeue's `fmt` for `job`; None once the job is gone, 'UNKNOWN' where squeue fails."""
+def _squeue(job: str, fmt: str, steps: bool = False) -> str | None:
+    """squeue's `fmt` for `job` (for its steps, with `steps`); None once the job is gone,
+    'UNKNOWN' where squeue fails."""
     try:
-        done = subprocess.run(["squeue", "-h", "-j", str(job), "-o", fmt],
+        done = subprocess.run(["squeue", "-h", *(["--steps"] if steps else []), "-j",
+                               str(job), "-o", fmt],
                               capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return "UNKNOWN"
@@ -159,45 +162,38 @@ def slurm_job_nodes(job: str) -> int | None:
     return int(nodes) if state == "RUNNING" and nodes.isdigit() else None
 
 
-def cancel_job(job: str, wait: float) -> None:
-    """scancel the job and wait (up to `wait` s) until squeue no longer lists it."""
-    try:
-        subprocess.run(["scancel", str(job)], capture_output=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and slurm_job_state(job) is not None:
-        time.sleep(0.2)
-
-
 PROXY_STEP_NAME = "hydra_pmi_proxy"  # srun names a step after its program: mpiexec's proxies
 
 
 def proxy_steps(job: str) -> set[str]:
     """The steps of `job` that run mpiexec's proxies, as JOB.STEP (none where squeue
     cannot say)."""
-    try:
-        done = subprocess.run(["squeue", "-h", "--steps", "-j", str(job), "-o", "%i %j"],
-                              capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.TimeoutExpired):
-        return set()
-    return {step for step, _, name in (line.strip().partition(" ")
-                                       for line in done.stdout.splitlines())
+    out = _squeue(job, "%i %j", steps=True)
+    rows = [] if out in (None, "UNKNOWN") else out.splitlines()
+    return {step for step, _, name in (row.strip().partition(" ") for row in rows)
             if name.strip() == PROXY_STEP_NAME}
 
 
+def cancel_job(job: str, wait: float) -> None:
+    """scancel the job and wait (up to `wait` s) until squeue no longer lists it."""
+    _scancel([job], wait, lambda: slurm_job_state(job) is not None)
+
+
 def cancel_steps(steps: set[str], wait: float) -> None:
-    """scancel `steps` (JOB.STEP) and wait (up to `wait` s) until squeue no longer lists
-    them: their tasks free the allocation's cores for the next start."""
-    if not steps:
-        return
+    """scancel `steps` (JOB.STEP, of one job) and wait (up to `wait` s) until squeue no
+    longer lists them: their tasks free the allocation's cores for the next start."""
+    if steps:
+        job = next(iter(steps)).partition(".")[0]
+        _scancel(sorted(steps), wait, lambda: bool(proxy_steps(job) & steps))
+
+
+def _scancel(ids: list[str], wait: float, listed: Callable[[], bool]) -> None:
     try:
-        subprocess.run(["scancel", *sorted(steps)], capture_output=True, timeout=10)
+        subprocess.run(["scancel", *map(str, ids)], capture_output=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return
-    job = next(iter(steps)).partition(".")[0]
     deadline = time.monotonic() + wait
-    while time.monotonic() < deadline and proxy_steps(job) & steps:
+    while time.monotonic() < deadline and listed():
         time.sleep(0.2)
 
 
@@ -211,8 +207,7 @@ def into_allocation(launcher: str, hostfile: str | None) -> bool:
     """The ranks go into the allocation this kernel runs in: with `--launcher slurm`,
     and under mpiexec without a hostfile too, as `mpiexec -n N` in that allocation's
     shell would (MPICH's mpiexec finds the allocation and starts the ranks on its nodes
-    with srun); so the notebook listens where those nodes reach it, and the start
-    checks the allocation's size."""
+    with srun); so the notebook listens where those nodes reach it."""
     return in_allocation() and (launcher == "slurm" or not hostfile)
 
 
