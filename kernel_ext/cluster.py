@@ -27,7 +27,7 @@ from .metrics_store import MetricsStore
 from .placement import ClusterError
 from .rank_input import InputDesk
 from .receiver import RecordReceiver
-from .selection import rank_label
+from .selection import host_list, rank_label
 from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports, gpu_spec
 
 LAUNCHERS = ("mpi", "slurm")
@@ -134,11 +134,11 @@ class StartReport:
     seconds: float
 
     def line(self) -> str:
-        hosts = sorted({r["host"] for r in self.ranks})
+        hosts = {r["host"] for r in self.ranks}
         devices = sorted({r["device"] for r in self.ranks})
         backend = self.ranks[0]["backend"] if self.ranks else "?"
         return (
-            f"mpilab: {len(self.ranks)} ranks on {', '.join(hosts)} · "
+            f"mpilab: {len(self.ranks)} ranks on {host_list(hosts)} · "
             f"devices {', '.join(devices)} · backend {backend} · ready in {self.seconds:.1f} s"
         )
 

@@ -1,5 +1,6 @@
 """Which ranks a cell runs on, read from `%%ranks SPEC` and written back in messages:
-`all`, `0`, `0,2`, `1-3` in; `0-2,5` and "ranks 0-2,5" out."""
+`all`, `0`, `0,2`, `1-3` in; `0-2,5` and "ranks 0-2,5" out; and the hosts they run on,
+as messages name them."""
 
 from __future__ import annotations
 
@@ -47,3 +48,40 @@ def rank_label(ranks: Iterable[int]) -> str:
     """'rank 3' or 'ranks 0-2,5': how every message names ranks."""
     ranks = list(ranks)
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+HOSTS_LISTED = 4  # up to this many hosts a message names each; beyond, in ranges
+_GROUPS_SHOWN = 6
+_NUMBERED = re.compile(r"(.*?)(\d+)")
+
+
+def host_list(hosts: Iterable[str]) -> str:
+    """'node1, node2', or for many hosts their count and names in Slurm's ranges:
+    '128 hosts: gpu[001-128]' (a name's number keeps its zero padding; names apart from
+    a numbered run stay whole; past six runs the rest is counted)."""
+    hosts = sorted(set(hosts))
+    if len(hosts) <= HOSTS_LISTED:
+        return ", ".join(hosts)
+    numbered = [(m.group(1), m.group(2)) for host in hosts
+                if (m := _NUMBERED.fullmatch(host))]
+    whole = [host for host in hosts if not _NUMBERED.fullmatch(host)]
+    # zero-padded numbers run at their width (gpu001-gpu128 is one run), and a number as
+    # wide joins them; others run unpadded whatever their width (node7-node11)
+    padded = {(prefix, len(digits)) for prefix, digits in numbered if digits[0] == "0"}
+    runs: dict[tuple[str, int], list[int]] = {}  # (prefix, padded width or 0) -> numbers
+    for prefix, digits in numbered:
+        width = len(digits) if (prefix, len(digits)) in padded else 0
+        runs.setdefault((prefix, width), []).append(int(digits))
+    groups = sorted([f"{prefix}[{_padded_ranges(numbers, digits)}]" if len(numbers) > 1
+                     else f"{prefix}{numbers[0]:0{digits}d}"
+                     for (prefix, digits), numbers in runs.items()] + whole)
+    shown = ", ".join(groups[:_GROUPS_SHOWN])
+    if len(groups) > _GROUPS_SHOWN:
+        shown += f", … ({len(groups) - _GROUPS_SHOWN} more)"
+    return f"{len(hosts)} hosts: {shown}"
+
+
+def _padded_ranges(numbers: list[int], digits: int) -> str:
+    """format_ranks of the numbers, each zero-padded to `digits`."""
+    return re.sub(r"\d+", lambda m: f"{int(m.group()):0{digits}d}",
+                  format_ranks(numbers))

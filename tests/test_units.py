@@ -613,6 +613,25 @@ def test_a_ucx_tls_without_shared_memory_on_one_host_is_one_line(monkeypatch):
         check_transports("127.0.0.1", 4)
 
 
+def test_many_hosts_are_named_in_ranges():
+    """The start line names a few hosts each; a thousand ranks on 128 hosts read as
+    Slurm writes them, not as a 1,000-character list."""
+    from mpilab.cluster import StartReport
+    from mpilab.selection import host_list
+
+    assert host_list(["node2", "node1", "node1"]) == "node1, node2"
+    assert host_list([f"gpu{i:03d}" for i in range(1, 129)]) == "128 hosts: gpu[001-128]"
+    assert host_list([f"node{i}" for i in (7, 8, 9, 10, 12)]) == "5 hosts: node[7-10,12]"
+    assert host_list(["login", "cpu12", "cpu13", "gpu001", "gpu003"]) == \
+        "5 hosts: cpu[12-13], gpu[001,003], login"
+    assert host_list([f"r{i}n{j}" for i in range(8) for j in range(2)]) == (
+        "16 hosts: r0n[0-1], r1n[0-1], r2n[0-1], r3n[0-1], r4n[0-1], r5n[0-1], … (2 more)")
+    ranks = [{"host": f"gpu{r // 8 + 1:03d}", "device": f"cuda:{r % 8}", "backend": "nccl"}
+             for r in range(1024)]
+    line = StartReport(ranks=ranks, seconds=42.0).line()
+    assert line.startswith("mpilab: 1024 ranks on 128 hosts: gpu[001-128] · devices "), line
+
+
 def test_the_launchers_telling_line_is_picked():
     from mpilab.cluster import telling_line
 
