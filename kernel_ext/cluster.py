@@ -132,13 +132,15 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
 class StartReport:
     ranks: list[dict]
     seconds: float
+    slurm: str | None = None  # "job 5", "allocation 42": where Slurm holds the ranks
 
     def line(self) -> str:
         hosts = {r["host"] for r in self.ranks}
         devices = sorted({r["device"] for r in self.ranks})
         backend = self.ranks[0]["backend"] if self.ranks else "?"
+        held = f" in Slurm {self.slurm}" if self.slurm else ""
         return (
-            f"mpilab: {len(self.ranks)} ranks on {host_list(hosts)} · "
+            f"mpilab: {len(self.ranks)} ranks on {host_list(hosts)}{held} · "
             f"devices {', '.join(devices)} · backend {backend} · ready in {self.seconds:.1f} s"
         )
 
@@ -166,8 +168,9 @@ class RankCluster:
     # as they appear, so that a stop after mpiexec died first still ends them (an srun
     # left alone keeps its step, and a proxy on another node, alive)
     _launched: list = field(default_factory=list)
-    # in an allocation: its job id and the steps of mpiexec's proxies it ran before this
-    # start; those that appeared since and outlive the start's processes are cancelled
+    # in an allocation (where mpiexec launches with srun): its job id and the steps of
+    # mpiexec's proxies it ran before this start; those that appeared since and outlive
+    # the start's processes are cancelled
     # (an srun orphaned by an mpiexec that died within the first second is never seen
     # among mpiexec's children, and its step keeps the allocation's tasks busy)
     _allocation: tuple[str, set[str]] | None = None
@@ -227,7 +230,9 @@ class RankCluster:
         self._receiver = RecordReceiver(self.store, ip=where.listen_ip)
         self.input_desk = InputDesk(ip=where.listen_ip)
         self._lifeline = lifeline.Lifeline(where.listen_ip)
-        if into_allocation:  # what runs there before; the stop cancels what this leaves
+        if placement.in_allocation():
+            # mpiexec launches with srun there (it finds the allocation itself): the
+            # proxies' steps running before, so that a stop ends what this start leaves
             job = os.environ["SLURM_JOB_ID"]
             self._allocation = (job, placement.proxy_steps(job))
         try:
@@ -236,7 +241,11 @@ class RankCluster:
         except BaseException:
             self.stop()
             raise
-        return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started)
+        jobs = _slurm_jobs(self._ipp_cluster)
+        slurm = f"job {jobs[0]}" if jobs else \
+            f"allocation {self._allocation[0]}" if self._allocation else None
+        return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started,
+                           slurm=slurm)
 
     def _start_engines(self, mpiexec: str, where: placement.Placement,
                        into_allocation: bool) -> None:
@@ -466,11 +475,11 @@ class RankCluster:
         if not fast:
             _wait_for_exit(launched, timeout=ENGINE_EXIT_WAIT_S)
         _end_survivors(launched, graceful=not fast)
-        if self._allocation is not None:
-            job, before = self._allocation
-            self._allocation = None
+        allocation, self._allocation = self._allocation, None
+        if allocation is not None and not fast:  # a kernel that exits asks Slurm nothing
+            job, before = allocation
             placement.cancel_steps(placement.proxy_steps(job) - before,
-                                   wait=0 if fast else placement.SLURM_CANCEL_WAIT_S)
+                                   wait=placement.SLURM_CANCEL_WAIT_S)
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:
