@@ -622,6 +622,7 @@ def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulat
     assert "4 ranks on node1, node2" in run.stdout
     jobs = emulated_cluster.squeue()
     assert len(jobs) == 1 and jobs[0]["state"] == "RUNNING", jobs
+    assert f"4 ranks on node1, node2 in Slurm job {jobs[0]['id']} · " in run.stdout, run.text
     shown = emulated_cluster.slurm_cmd("scontrol", "show", "job", jobs[0]["id"]).stdout
     assert "Partition=debug" in shown and "TimeLimit=00:10:00" in shown, shown
     assert "Comment=mpilab-test" in shown and "Account=research" in shown, shown
@@ -783,7 +784,7 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
             assert not wait_nothing_left(emulated_cluster, 10)
             run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
             assert run.ok, run.text
-            assert "4 ranks on node1, node2" in run.stdout
+            assert f"4 ranks on node1, node2 in Slurm allocation {job} · " in run.stdout
             assert [j["id"] for j in emulated_cluster.squeue()] == [job]
             check = kernel.run(CHECK_CELL, timeout=120)
             assert check.ok and "hierarchical 1" in check.stdout, check.text
