@@ -350,6 +350,8 @@ class RankCluster:
         failed = _SRUN_TASK_FAILED.search(output)
         if failed:
             return f"srun's task on {failed['node']} exited with code {failed['code']}"
+        if _SRUN_NO_STEP.search(output):  # mpiexec then waits for proxies that never come
+            return "srun could not start mpiexec's proxies"
         if _NO_MPILAB.search(output):
             return "an engine's Python could not import mpilab"
         return None
@@ -373,6 +375,10 @@ class RankCluster:
             msg += f": {cause}"
         elif output:
             msg += "; the engines said:\n" + "\n".join(output.splitlines()[-5:])
+        if self.config.hostfile and placement.in_allocation() and _SRUN_NO_STEP.search(output):
+            msg += (f" (in Slurm allocation {os.environ['SLURM_JOB_ID']} mpiexec starts the "
+                    "ranks with srun on the hostfile's hosts, which must be the allocation's "
+                    "nodes by their Slurm names; or start without --hostfile)")
         log = self.engine_log_path()
         if log and output:
             msg += f" (the launcher's whole output: {log})"
@@ -748,6 +754,7 @@ _TOOLS_SAID = (re.compile(r"^(ssh|sbatch|srun|salloc|scontrol)(: |\S*: )"),
                           r"refused|Connection timed out|Host key verification failed)"))
 _SRUN_TASK_FAILED = re.compile(r"^srun: error: (?P<node>\S+): tasks? [\d,-]+: Exited with exit "
                                r"code (?P<code>\d+)", re.M)
+_SRUN_NO_STEP = re.compile(r"^srun: error: Unable to create step for job ", re.M)
 _NO_MPILAB = re.compile(r"No module named '?mpilab\b")
 _ANY_ERROR = re.compile(r"\b(error|Error|ERROR)\b")
 _NOT_STARTED = "did not start: "

@@ -766,15 +766,27 @@ def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):
         kernel.km.cleanup_resources()
 
 
-def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, tmp_path):
+def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tmp_path):
     """salloc's allocation (its variables in the kernel): the ranks go into it. A node
-    without the notebook's folder is named (asked with srun in the allocation)."""
+    without the notebook's folder is named (asked with srun in the allocation); a
+    hostfile srun cannot place (addresses, not the nodes' Slurm names) is said at once,
+    where mpiexec waits for proxies that never come."""
     with allocation(emulated_cluster) as (job, env):
         kernel = Kernel(env=env)
         try:
             too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")
             assert not too_many.ok
             assert f"allocation {job} holds 4 tasks, fewer than -n 6" in too_many.text
+            began = time.monotonic()
+            placed = kernel.run(f"%mpilab start -n 4 --hostfile {hostfile} --timeout 60")
+            error = placed.text.split("UsageError: ")[-1].strip()
+            assert not placed.ok and len(error.splitlines()) == 1, placed.text
+            assert error.startswith("the ranks did not start (srun could not start mpiexec's "
+                                    f"proxies): srun: error: Unable to create step for job "
+                                    f"{job}: "), error
+            assert "must be the allocation's nodes by their Slurm names" in error, error
+            assert time.monotonic() - began < 20
+            assert not wait_nothing_left(emulated_cluster, 10)
             project = tmp_path / "project"
             project.mkdir()
             hidden, told = node2_lacking("folder", project)
