@@ -241,6 +241,26 @@ def _error_line(ename: str, evalue: str) -> str:
     return f"{ename}: {last}" if last else ename
 
 
+def _slurm_found() -> str:
+    """Where the ranks go as far as Slurm is concerned: into the allocation this runs
+    in, into a job --launcher slurm submits, or nowhere (no Slurm here)."""
+    from . import placement
+    from .selection import host_list
+
+    if placement.in_allocation():
+        job = os.environ["SLURM_JOB_ID"]
+        try:
+            nodes = host_list(placement.allocation_hosts())
+        except placement.ClusterError as e:
+            return f"allocation {job}, but {e}"
+        tasks = placement.allocation_tasks()
+        held = f"; {tasks} tasks" if tasks else ""
+        return f"allocation {job} ({nodes}{held}): `%mpilab start -n N` puts the ranks there"
+    if shutil.which("sbatch"):
+        return "sbatch found: `%mpilab start --launcher slurm` submits a job"
+    return "none (ranks run here, or on hosts of a --hostfile over ssh)"
+
+
 def cmd_doctor(args) -> int:
     """What mpilab found on this machine and what is missing, with the fix."""
     from .cluster import ClusterError, find_mpiexec
@@ -289,6 +309,7 @@ def cmd_doctor(args) -> int:
         except ImportError:
             row(module, "missing")
             problems.append((module, fix))
+    row("Slurm", _slurm_found())
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     row("chromium", browser or "missing (only the browser tests need it)")
     if problems:

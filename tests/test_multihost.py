@@ -772,6 +772,11 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tm
     hostfile srun cannot place (addresses, not the nodes' Slurm names) is said at once,
     where mpiexec waits for proxies that never come."""
     with allocation(emulated_cluster) as (job, env):
+        doctor = subprocess.run([str(Path(sys.executable).parent / "mpilab"), "doctor"],
+                                env={**os.environ, **env}, capture_output=True, text=True,
+                                timeout=120)
+        assert (f"Slurm          allocation {job} (node1, node2; 4 tasks): `%mpilab start "
+                "-n N` puts the ranks there") in doctor.stdout, doctor.stdout
         kernel = Kernel(env=env)
         try:
             too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")
