@@ -570,20 +570,27 @@ def test_ranks_go_into_the_allocation_the_kernel_runs_in(monkeypatch):
     assert (here.listen_ip, here.remote) == ("127.0.0.1", False)
 
 
+def refused_start(config) -> str:
+    """The one line a start refuses `config` with, before anything runs."""
+    from mpilab.cluster import ClusterError, RankCluster
+
+    ranks = RankCluster(config)
+    with pytest.raises(ClusterError) as told:
+        ranks.start()
+    assert not ranks.running
+    return str(told.value)
+
+
 def test_job_settings_inside_an_allocation_are_one_line_not_ignored(monkeypatch):
-    from mpilab.cluster import ClusterConfig, ClusterError, RankCluster
+    from mpilab.cluster import ClusterConfig
     from mpilab.placement import SlurmSettings
 
     monkeypatch.setenv("SLURM_JOB_ID", "42")
-    ranks = RankCluster(ClusterConfig(n=2, launcher="slurm",
-                                      slurm=SlurmSettings(partition="gpu", nodes="2")))
-    with pytest.raises(ClusterError) as told:
-        ranks.start()
-    assert str(told.value) == (
+    assert refused_start(ClusterConfig(n=2, launcher="slurm", slurm=SlurmSettings(
+        partition="gpu", nodes="2"))) == (
         "--partition asks for a new Slurm job, but this kernel runs in Slurm allocation 42, "
         "where the ranks go: start without it, or `%env SLURM_JOB_ID=` first to submit a "
         "job of their own")
-    assert not ranks.running
 
 
 def test_a_ucx_tls_without_shared_memory_on_one_host_is_one_line(monkeypatch):
@@ -591,18 +598,14 @@ def test_a_ucx_tls_without_shared_memory_on_one_host_is_one_line(monkeypatch):
     run (mpiexec then fails with UCX's `no active messages transport`): UCX_TLS=tcp is
     one line before anything starts; one that leaves shared memory, or ranks on other
     hosts, pass."""
-    from mpilab.cluster import ClusterConfig, ClusterError, RankCluster
+    from mpilab.cluster import ClusterConfig, ClusterError
     from mpilab.placement import check_transports
 
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    ranks = RankCluster(ClusterConfig(n=2))
-    with pytest.raises(ClusterError) as told:
-        ranks.start()
-    assert str(told.value) == (
+    assert refused_start(ClusterConfig(n=2)) == (
         "UCX_TLS=tcp,self leaves MPI no way between ranks on this host: they talk through "
         "shared memory, and UCX's TCP transport does not run over the loopback they keep "
         "it on: add sm (UCX_TLS=sm,tcp,self), or unset UCX_TLS")
-    assert not ranks.running
     check_transports("10.1.2.3", 2)  # across hosts: TCP on their network
     check_transports("127.0.0.1", 1)
     for usable in ("sm,tcp,self", "posix,tcp", "^ib", "all"):
