@@ -109,8 +109,8 @@ SLURM_MPIEXEC_ARGS = ("-launcher", "slurm", "-launcher-exec", "srun", "-rmk", "s
 # CANCELLED AT 2026-12-04T18:21:49 DUE TO TIME LIMIT ***" (a step's: "STEP 5.0"; older
 # versions leave out "ON node1"; no reason: cancelled by a user, scancel)
 _CANCELLED_LINE = re.compile(r"\*\*\* (?:JOB|STEP) (?P<job>\d+)(?:\.\S+)?(?: ON \S+)? "
-                          r"CANCELLED AT \S*?T?(?P<at>\d\d:\d\d:\d\d)\S*"
-                          r"(?: DUE TO (?P<why>[A-Z ]+))?")
+                             r"CANCELLED AT \S*?T?(?P<at>\d\d:\d\d:\d\d)\S*"
+                             r"(?: DUE TO (?P<why>[A-Z ]+))?")
 # the reason's words -> (what befell the job, what the user can do about it)
 _SLURM_WHY = {"TIME LIMIT": ("reached its time limit", "`%mpilab start --time` sets it"),
               "PREEMPTION": ("was preempted", ""), "NODE FAILURE": ("lost a node", ""),
@@ -368,12 +368,12 @@ def place(launcher: str, hostfile: str | None, controller_ip: str | None,
           slurm: SlurmSettings) -> Placement:
     """Choose the address the ranks reach the notebook at: the given one, else loopback
     when they run here, else the route towards the first rank's host."""
-    if into_allocation(launcher, hostfile) and os.environ.get("SLURM_JOB_NODELIST") and \
-            all(is_this_host(host) for host in allocation_hosts()):
-        return _given_or_loopback(controller_ip)  # an allocation of this host alone
-    if launcher == "slurm" or into_allocation(launcher, hostfile):
-        address = first_slurm_node_address(slurm)
-        first = address
+    inside = into_allocation(launcher, hostfile)
+    if launcher == "slurm" or inside:
+        if inside and os.environ.get("SLURM_JOB_NODELIST") and \
+                all(is_this_host(host) for host in allocation_hosts()):
+            return _given_or_loopback(controller_ip)  # an allocation of this host alone
+        address = first = first_slurm_node_address(slurm)
     elif hostfile:
         hosts = hostfile_hosts(hostfile)
         remote_hosts = [h for h in hosts if not is_this_host(h)]
