@@ -182,6 +182,27 @@ def allocation(cluster) -> Iterator[tuple[str, dict[str, str]]]:
         cluster.slurm_cmd("scancel", job, check=False)
 
 
+def steps_named_hydra(cluster, job: str) -> set[str]:
+    """The steps of `job` named as srun names mpiexec's proxies' steps."""
+    out = cluster.slurm_cmd("squeue", "-h", "--steps", "-j", job, "-o", "%i %j").stdout
+    return {row.split()[0] for row in out.splitlines() if row.split()[1:] == ["hydra_pmi_proxy"]}
+
+
+def proxy_step(cluster, job: str) -> tuple[subprocess.Popen, str]:
+    """A step in `job` named as mpiexec's proxies' are, run by an srun of its own session
+    (as an srun left by an mpiexec that died is): the srun, and the step's id."""
+    before = steps_named_hydra(cluster, job)
+    srun = subprocess.Popen(["srun", f"--jobid={job}", "-N", "1", "-n", "1", "--overlap",
+                             "--job-name=hydra_pmi_proxy", "sleep", "300"],
+                            env=cluster.slurm_env(), start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while not (new := steps_named_hydra(cluster, job) - before):
+        assert time.monotonic() < deadline, "srun's step did not appear"
+        time.sleep(0.2)
+    return srun, new.pop()
+
+
 # -- mpiexec over ssh --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def ssh_kernel(emulated_cluster):
@@ -799,13 +820,22 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tm
                 lacking = start_in(kernel, project, "-n 4 --launcher slurm --timeout 60")
             assert told_what_node2_lacks(lacking, told, "node2"), lacking.text
             assert not wait_nothing_left(emulated_cluster, 10)
+            earlier, earlier_step = proxy_step(emulated_cluster, job)  # not the start's
             run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
             assert run.ok, run.text
             assert f"4 ranks on node1, node2 in Slurm allocation {job} · " in run.stdout
             assert [j["id"] for j in emulated_cluster.squeue()] == [job]
             check = kernel.run(CHECK_CELL, timeout=120)
             assert check.ok and "hierarchical 1" in check.stdout, check.text
+            # a proxies' step whose srun the start never saw (an mpiexec gone within its
+            # first second leaves one): the stop cancels it, and only what came since
+            orphan, orphan_step = proxy_step(emulated_cluster, job)
             assert kernel.run("%mpilab stop", timeout=120).ok
+            assert orphan.wait(timeout=30) != 0
+            steps = steps_named_hydra(emulated_cluster, job)
+            assert orphan_step not in steps and earlier_step in steps, steps
+            earlier.terminate()
+            earlier.wait(timeout=30)
             assert not wait_nothing_left(emulated_cluster, 10)
             assert [j["id"] for j in emulated_cluster.squeue()] == [job]  # the user's
         finally:
