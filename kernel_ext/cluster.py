@@ -168,12 +168,11 @@ class RankCluster:
     # as they appear, so that a stop after mpiexec died first still ends them (an srun
     # left alone keeps its step, and a proxy on another node, alive)
     _launched: list = field(default_factory=list)
-    # in an allocation (where mpiexec launches with srun): its job id and the steps of
-    # mpiexec's proxies it ran before this start; those that appeared since and outlive
-    # the start's processes are cancelled
+    # in an allocation (where mpiexec launches with srun): its job id and the name of
+    # the step of this start's mpiexec proxies; a stop cancels what still runs under it
     # (an srun orphaned by an mpiexec that died within the first second is never seen
     # among mpiexec's children, and its step keeps the allocation's tasks busy)
-    _allocation: tuple[str, set[str]] | None = None
+    _allocation: tuple[str, str] | None = None
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
 
@@ -230,11 +229,6 @@ class RankCluster:
         self._receiver = RecordReceiver(self.store, ip=where.listen_ip)
         self.input_desk = InputDesk(ip=where.listen_ip)
         self._lifeline = lifeline.Lifeline(where.listen_ip)
-        if placement.in_allocation():
-            # mpiexec launches with srun there (it finds the allocation itself): the
-            # proxies' steps running before, so that a stop ends what this start leaves
-            job = os.environ["SLURM_JOB_ID"]
-            self._allocation = (job, placement.proxy_steps(job))
         try:
             self._start_engines(mpiexec, where, into_allocation)
             self._bootstrap()
@@ -288,6 +282,13 @@ class RankCluster:
             slurm.batch_file_name = str(scripts / f"mpilab-{cluster.cluster_id}.sbatch")
         else:
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
+            if placement.in_allocation():
+                # mpiexec launches with srun there, hostfile or not: its proxies' step
+                # takes a name of this start's, which the stop cancels
+                name = placement.proxy_step_name(cluster.cluster_id)
+                cluster.config.MPIEngineSetLauncher.environment = \
+                    placement.proxy_step_env(name)
+                self._allocation = (os.environ["SLURM_JOB_ID"], name)
             if into_allocation:
                 cluster.config.MPIEngineSetLauncher.mpi_args = list(placement.SLURM_MPIEXEC_ARGS)
             elif cfg.hostfile:
@@ -483,9 +484,7 @@ class RankCluster:
         _end_survivors(launched, graceful=not fast)
         allocation, self._allocation = self._allocation, None
         if allocation is not None and not fast:  # a kernel that exits asks Slurm nothing
-            job, before = allocation
-            placement.cancel_steps(placement.proxy_steps(job) - before,
-                                   wait=placement.SLURM_CANCEL_WAIT_S)
+            placement.cancel_steps(*allocation, wait=placement.SLURM_CANCEL_WAIT_S)
         if cluster is not None:
             _remove_cluster_files(cluster)
         for job in jobs:

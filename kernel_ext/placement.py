@@ -162,16 +162,30 @@ def slurm_job_nodes(job: str) -> int | None:
     return int(nodes) if state == "RUNNING" and nodes.isdigit() else None
 
 
-PROXY_STEP_NAME = "hydra_pmi_proxy"  # srun names a step after its program: mpiexec's proxies
+def proxy_step_name(cluster_id: str) -> str:
+    """The name srun gives the step of one start's mpiexec proxies. Unnamed, a step is
+    named after its program, `hydra_pmi_proxy`, alike for every mpiexec in the
+    allocation: the name tells a start's step from another notebook's."""
+    return f"mpilab-{cluster_id}"
 
 
-def proxy_steps(job: str) -> set[str]:
-    """The steps of `job` that run mpiexec's proxies, as JOB.STEP (none where squeue
-    cannot say)."""
+def proxy_step_env(name: str) -> dict[str, str]:
+    """mpiexec's environment in an allocation: the srun it starts its proxies with names
+    their step `name` and lets it overlap the allocation's other steps (Hydra adds
+    HYDRA_LAUNCHER_EXTRA_ARGS to srun's arguments; the user's own stay, before these).
+    Without --overlap the step waits, silently, for as long as another step holds the
+    nodes' CPUs: another notebook's ranks, the user's own srun, or the `srun --pty` step
+    that JupyterLab itself runs in."""
+    given = os.environ.get("HYDRA_LAUNCHER_EXTRA_ARGS", "").strip()
+    return {"HYDRA_LAUNCHER_EXTRA_ARGS": f"{given} --overlap --job-name={name}".strip()}
+
+
+def steps_named(job: str, name: str) -> set[str]:
+    """The steps of `job` named `name`, as JOB.STEP (none where squeue cannot say)."""
     out = _squeue(job, "%i %j", steps=True)
     rows = [] if out in (None, "UNKNOWN") else out.splitlines()
-    return {step for step, _, name in (row.strip().partition(" ") for row in rows)
-            if name.strip() == PROXY_STEP_NAME}
+    return {step for step, _, named in (row.strip().partition(" ") for row in rows)
+            if named.strip() == name}
 
 
 def cancel_job(job: str, wait: float) -> None:
@@ -179,12 +193,11 @@ def cancel_job(job: str, wait: float) -> None:
     _scancel([job], wait, lambda: slurm_job_state(job) is not None)
 
 
-def cancel_steps(steps: set[str], wait: float) -> None:
-    """scancel `steps` (JOB.STEP, of one job) and wait (up to `wait` s) until squeue no
+def cancel_steps(job: str, name: str, wait: float) -> None:
+    """scancel the steps of `job` named `name` and wait (up to `wait` s) until squeue no
     longer lists them: their tasks free the allocation's cores for the next start."""
-    if steps:
-        job = next(iter(steps)).partition(".")[0]
-        _scancel(sorted(steps), wait, lambda: bool(proxy_steps(job) & steps))
+    if steps := steps_named(job, name):
+        _scancel(sorted(steps), wait, lambda: bool(steps_named(job, name) & steps))
 
 
 def _scancel(ids: list[str], wait: float, listed: Callable[[], bool]) -> None:

@@ -182,25 +182,33 @@ def allocation(cluster) -> Iterator[tuple[str, dict[str, str]]]:
         cluster.slurm_cmd("scancel", job, check=False)
 
 
-def steps_named_hydra(cluster, job: str) -> set[str]:
-    """The steps of `job` named as srun names mpiexec's proxies' steps."""
+def steps_named(cluster, job: str) -> dict[str, str]:
+    """The steps of `job`: id to name."""
     out = cluster.slurm_cmd("squeue", "-h", "--steps", "-j", job, "-o", "%i %j").stdout
-    return {row.split()[0] for row in out.splitlines() if row.split()[1:] == ["hydra_pmi_proxy"]}
+    return dict(row.split(maxsplit=1) for row in out.splitlines() if row.strip())
 
 
-def proxy_step(cluster, job: str) -> tuple[subprocess.Popen, str]:
-    """A step in `job` named as mpiexec's proxies' are, run by an srun of its own session
-    (as an srun left by an mpiexec that died is): the srun, and the step's id."""
-    before = steps_named_hydra(cluster, job)
-    srun = subprocess.Popen(["srun", f"--jobid={job}", "-N", "1", "-n", "1", "--overlap",
-                             "--job-name=hydra_pmi_proxy", "sleep", "300"],
+def named_step(cluster, job: str, name: str, nodes: int = 1,
+               overlap: bool = True) -> tuple[subprocess.Popen, str]:
+    """A step in `job` named `name` on `nodes` nodes, run by an srun of its own session
+    (as an srun left by an mpiexec that died is; without `overlap` it holds the nodes'
+    CPUs, as a user's own srun does): the srun, and the step's id."""
+    before = steps_named(cluster, job)
+    srun = subprocess.Popen(["srun", f"--jobid={job}", "-N", str(nodes), "-n", str(nodes),
+                             *(["--overlap"] if overlap else []), f"--job-name={name}",
+                             "sleep", "300"],
                             env=cluster.slurm_env(), start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 20
-    while not (new := steps_named_hydra(cluster, job) - before):
+    while not (new := steps_named(cluster, job).keys() - before.keys()):
         assert time.monotonic() < deadline, "srun's step did not appear"
         time.sleep(0.2)
     return srun, new.pop()
+
+
+def mpilab_steps(cluster, job: str) -> dict[str, str]:
+    """The steps of `job` that mpilab's starts named: id to name."""
+    return {i: n for i, n in steps_named(cluster, job).items() if n.startswith("mpilab-")}
 
 
 # -- mpiexec over ssh --------------------------------------------------------------------
@@ -820,22 +828,45 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tm
                 lacking = start_in(kernel, project, "-n 4 --launcher slurm --timeout 60")
             assert told_what_node2_lacks(lacking, told, "node2"), lacking.text
             assert not wait_nothing_left(emulated_cluster, 10)
-            earlier, earlier_step = proxy_step(emulated_cluster, job)  # not the start's
+            # the user's own srun, holding both nodes' CPUs: the ranks' step overlaps it
+            users, users_step = named_step(emulated_cluster, job, "hydra_pmi_proxy",
+                                           nodes=2, overlap=False)
             run = kernel.run("%mpilab start -n 4 --launcher slurm", timeout=240)
             assert run.ok, run.text
             assert f"4 ranks on node1, node2 in Slurm allocation {job} · " in run.stdout
             assert [j["id"] for j in emulated_cluster.squeue()] == [job]
             check = kernel.run(CHECK_CELL, timeout=120)
             assert check.ok and "hierarchical 1" in check.stdout, check.text
-            # a proxies' step whose srun the start never saw (an mpiexec gone within its
-            # first second leaves one): the stop cancels it, and only what came since
-            orphan, orphan_step = proxy_step(emulated_cluster, job)
-            assert kernel.run("%mpilab stop", timeout=120).ok
-            assert orphan.wait(timeout=30) != 0
-            steps = steps_named_hydra(emulated_cluster, job)
-            assert orphan_step not in steps and earlier_step in steps, steps
-            earlier.terminate()
-            earlier.wait(timeout=30)
+            ours = mpilab_steps(emulated_cluster, job)
+            assert len(ours) == 1, steps_named(emulated_cluster, job)  # the start's proxies
+            name = next(iter(ours.values()))
+            # an srun of this start's that the start never saw (an mpiexec gone within
+            # its first second leaves one)
+            orphan, orphan_step = named_step(emulated_cluster, job, name)
+            # a second notebook in the same allocation starts ranks of its own, and keeps
+            # them through the first one's stop
+            second = Kernel(env=env)
+            try:
+                started = second.run("%load_ext mpilab\n%mpilab start -n 2", timeout=240)
+                assert started.ok and f"in Slurm allocation {job} · " in started.stdout, \
+                    started.text
+                theirs = mpilab_steps(emulated_cluster, job).keys() - ours.keys() - {orphan_step}
+                assert len(theirs) == 1, steps_named(emulated_cluster, job)
+                assert kernel.run("%mpilab stop", timeout=120).ok
+                assert orphan.wait(timeout=30) != 0
+                steps = steps_named(emulated_cluster, job)
+                assert orphan_step not in steps and name not in steps.values(), steps
+                assert users_step in steps and theirs <= steps.keys(), steps
+                still = second.run("%%ranks\nprint('rank', rank, 'of', world_size)",
+                                   timeout=120)
+                assert still.ok and "rank 1 of 2" in still.stdout, still.text
+                assert second.run("%mpilab stop", timeout=120).ok
+                assert not mpilab_steps(emulated_cluster, job)
+            finally:
+                second.run("%mpilab stop", timeout=120)
+                second.shutdown()
+            users.terminate()
+            users.wait(timeout=30)
             assert not wait_nothing_left(emulated_cluster, 10)
             assert [j["id"] for j in emulated_cluster.squeue()] == [job]  # the user's
         finally:

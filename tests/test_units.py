@@ -616,6 +616,23 @@ def test_a_ucx_tls_without_shared_memory_on_one_host_is_one_line(monkeypatch):
         check_transports("127.0.0.1", 4)
 
 
+def test_a_starts_proxies_step_is_named_its_own_and_overlaps(monkeypatch):
+    """In an allocation every mpiexec's proxies' step would be `hydra_pmi_proxy`, and
+    would wait while another step holds the nodes: a start names its own and lets it
+    overlap (srun's --job-name and --overlap, through Hydra's extra launcher
+    arguments), after the user's own extra arguments."""
+    from mpilab.placement import proxy_step_env, proxy_step_name
+
+    name = proxy_step_name("1764892800-ab12")
+    assert name == "mpilab-1764892800-ab12"
+    monkeypatch.delenv("HYDRA_LAUNCHER_EXTRA_ARGS", raising=False)
+    assert proxy_step_env(name) == {
+        "HYDRA_LAUNCHER_EXTRA_ARGS": "--overlap --job-name=mpilab-1764892800-ab12"}
+    monkeypatch.setenv("HYDRA_LAUNCHER_EXTRA_ARGS", "--cpu-bind=none ")
+    assert proxy_step_env(name) == {"HYDRA_LAUNCHER_EXTRA_ARGS":
+                                    "--cpu-bind=none --overlap --job-name=mpilab-1764892800-ab12"}
+
+
 def test_many_hosts_are_named_in_ranges():
     """The start line names a few hosts each; a thousand ranks on 128 hosts read as
     Slurm writes them, not as a 1,000-character list."""
