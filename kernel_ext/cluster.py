@@ -190,6 +190,14 @@ class RankCluster:
     def world_size(self) -> int:
         return len(self.ranks)
 
+    @property
+    def slurm(self) -> str | None:
+        """The Slurm job or allocation the ranks run in ('job 5', 'allocation 42'); None
+        outside Slurm. Slurm's end of it ends them: its output says why."""
+        jobs = _slurm_jobs(self._ipp_cluster)
+        return f"job {jobs[0]}" if jobs else \
+            f"allocation {self._allocation[0]}" if self._allocation else None
+
     def start(self) -> StartReport:
         if self.running:
             raise ClusterError(
@@ -235,11 +243,8 @@ class RankCluster:
         except BaseException:
             self.stop()
             raise
-        jobs = _slurm_jobs(self._ipp_cluster)
-        slurm = f"job {jobs[0]}" if jobs else \
-            f"allocation {self._allocation[0]}" if self._allocation else None
         return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started,
-                           slurm=slurm)
+                           slurm=self.slurm)
 
     def _start_engines(self, mpiexec: str, where: placement.Placement,
                        into_allocation: bool) -> None:

@@ -119,14 +119,19 @@ _SLURM_WHY = {"TIME LIMIT": ("reached its time limit", "`%mpilab start --time` s
 
 def slurm_job_ended(output: str) -> str | None:
     """Why Slurm ended the job whose output this is ('the Slurm job 5 reached its time
-    limit at 18:21:49 (…)'), or None where it says nothing of the kind."""
+    limit at 18:21:49 (…)'), or None where it says nothing of the kind. The allocation
+    this kernel runs in is named as one: its time limit is salloc's, not a start's."""
     found = _CANCELLED_LINE.search(output)
     if found is None:
         return None
     why = (found["why"] or "").strip()
     what, hint = _SLURM_WHY.get(why, (f"was cancelled ({why.lower()})" if why
                                       else "was cancelled", ""))
-    return f"the Slurm job {found['job']} {what} at {found['at']}" + \
+    job = found["job"]
+    held = in_allocation() and os.environ.get("SLURM_JOB_ID") == job
+    if held and why == "TIME LIMIT":
+        hint = "salloc's --time sets it"
+    return f"the Slurm {'allocation' if held else 'job'} {job} {what} at {found['at']}" + \
         (f" ({hint})" if hint else "")
 
 

@@ -376,7 +376,7 @@ def live_rank_info(cluster) -> Callable[[], list[dict]]:
     shown = [dict(info) for info in ranks]
     here = socket.gethostname()
     procs = cluster.local_processes()  # a rank of this host without one had ended
-    in_job = cluster.config.launcher == "slurm"
+    in_job = cluster.slurm is not None
     job_ended = ""  # why Slurm ended the ranks' job, once its output says
 
     def rank_info() -> list[dict]:

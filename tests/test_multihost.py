@@ -860,15 +860,22 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tm
                 still = second.run("%%ranks\nprint('rank', rank, 'of', world_size)",
                                    timeout=120)
                 assert still.ok and "rank 1 of 2" in still.stdout, still.text
+                assert [j["id"] for j in emulated_cluster.squeue()] == [job]  # the user's
+                users.terminate()
+                users.wait(timeout=30)
+                # the allocation ends under the second notebook's ranks: named as such
+                emulated_cluster.slurm_cmd("scancel", job)
+                deadline = time.monotonic() + 30
+                while emulated_cluster.squeue() and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                status = second.run("%mpilab status")
+                assert status.text.count(
+                    f"dead: the Slurm allocation {job} was cancelled at ") == 2, status.text
                 assert second.run("%mpilab stop", timeout=120).ok
-                assert not mpilab_steps(emulated_cluster, job)
             finally:
                 second.run("%mpilab stop", timeout=120)
                 second.shutdown()
-            users.terminate()
-            users.wait(timeout=30)
             assert not wait_nothing_left(emulated_cluster, 10)
-            assert [j["id"] for j in emulated_cluster.squeue()] == [job]  # the user's
         finally:
             kernel.run("%mpilab stop", timeout=120)
             kernel.shutdown()

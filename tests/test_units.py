@@ -982,10 +982,26 @@ def test_a_collective_waiting_for_ranks_that_run_no_cell_is_released_at_once(mon
      "the Slurm job 9 was cancelled at 18:21:49"),
     ("2026-12-04 18:20:38.391 [IPEngine.3] Starting nanny", None),
 ])
-def test_why_slurm_ended_a_job_is_read_from_its_output(output, said):
+def test_why_slurm_ended_a_job_is_read_from_its_output(output, said, monkeypatch):
     from mpilab.placement import slurm_job_ended
 
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     assert slurm_job_ended(output) == said
+
+
+def test_the_allocation_the_kernel_runs_in_is_named_as_one_when_it_ends(monkeypatch):
+    """Ranks started inside salloc's allocation end with it: its time limit is salloc's
+    (a start's --time is refused there), and another job is still a job."""
+    from mpilab.placement import slurm_job_ended
+
+    monkeypatch.setenv("SLURM_JOB_ID", "5")
+    step = "slurmstepd: error: *** STEP 5.0 ON node1 CANCELLED AT 2026-12-04T18:21:49 DUE TO "
+    assert slurm_job_ended(step + "TIME LIMIT ***") == (
+        "the Slurm allocation 5 reached its time limit at 18:21:49 (salloc's --time sets it)")
+    assert slurm_job_ended(step + "PREEMPTION ***") == \
+        "the Slurm allocation 5 was preempted at 18:21:49"
+    assert slurm_job_ended("*** JOB 6 ON node1 CANCELLED AT 2026-12-04T18:21:49 ***") == \
+        "the Slurm job 6 was cancelled at 18:21:49"
 
 
 class _SlurmJobCluster(_QuietCluster):

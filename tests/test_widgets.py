@@ -617,13 +617,13 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
     import subprocess
     import sys
 
-    from mpilab.cluster import ClusterConfig, local_processes
+    from mpilab.cluster import local_processes
     from mpilab.session import live_rank_info
 
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         class Cluster:
-            config = ClusterConfig(n=2)
+            slurm = None
             ranks = [{"rank": 0, "host": socket.gethostname(), "pid": proc.pid,
                       "device": "cpu"},
                      {"rank": 1, "host": "elsewhere", "pid": 1, "device": "cpu"}]
@@ -648,7 +648,7 @@ def test_live_rank_info_sees_a_dead_process_and_a_stopped_cluster():
         Cluster.ranks = []  # stopped
         assert all(i["stopped"] and i["dead"].startswith("stopped") for i in info())
         # ranks in a Slurm job that Slurm ended while no cell ran: its output says why
-        Cluster.config = ClusterConfig(n=2, launcher="slurm")
+        Cluster.slurm = "job 8"
         Cluster.ranks, Cluster.dead = [{"rank": r, "host": "node1", "pid": 10 + r,
                                         "device": "cpu"} for r in range(2)], {}
         info = live_rank_info(Cluster)
