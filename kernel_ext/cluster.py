@@ -291,8 +291,8 @@ class RankCluster:
                 # mpiexec launches with srun there, hostfile or not: its proxies' step
                 # takes a name of this start's, which the stop cancels
                 name = placement.proxy_step_name(cluster.cluster_id)
-                cluster.config.MPIEngineSetLauncher.environment = \
-                    placement.proxy_step_env(name)
+                cluster.config.MPIEngineSetLauncher.environment = {
+                    **placement.proxy_step_env(name), **placement.step_layout()}
                 self._allocation = (os.environ["SLURM_JOB_ID"], name)
             if into_allocation:
                 cluster.config.MPIEngineSetLauncher.mpi_args = list(placement.SLURM_MPIEXEC_ARGS)

@@ -236,17 +236,83 @@ def allocation_hosts() -> list[str]:
 
 
 def allocation_tasks() -> int | None:
-    """How many tasks the current allocation holds (SLURM_NTASKS, else per node x nodes)."""
+    """How many tasks the current allocation holds: SLURM_NTASKS, else per node x nodes;
+    inside one of its steps (a kernel, or JupyterLab, that srun runs) those variables
+    are the step's own, and squeue says the allocation's."""
+    if in_step():
+        return _job_tasks()[0]
     if os.environ.get("SLURM_NTASKS"):
         return int(os.environ["SLURM_NTASKS"])
     per_node = os.environ.get("SLURM_TASKS_PER_NODE") or os.environ.get("SLURM_JOB_CPUS_PER_NODE")
-    if not per_node:
-        return None
-    total = 0
-    for part in per_node.split(","):  # "2(x3),1"
+    return sum(_per_node(per_node)) if per_node else None
+
+
+def in_step() -> bool:
+    """This kernel runs inside a step of its allocation (`srun --pty jupyter lab`, or a
+    shell that `srun --pty bash` opened): Slurm's task variables are the step's."""
+    return bool(os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"))
+
+
+def step_layout() -> dict[str, str]:
+    """mpiexec's Slurm variables inside a step: the allocation's nodes and tasks, in
+    place of the step's one task on one node, by which mpiexec would put every rank but
+    one on the last node. Tasks per node as Slurm lays out a job's tasks by default:
+    round robin over the nodes up to each one's CPUs (for its CPUs per task), then in
+    blocks. Empty outside a step, or where Slurm does not say."""
+    cpus = _per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
+    if not in_step() or not cpus or not os.environ.get("SLURM_JOB_NODELIST"):
+        return {}
+    tasks, per_task = _job_tasks()
+    if tasks is None:
+        return {}
+    layout = spread(tasks, [c // per_task for c in cpus])
+    return {"SLURM_NODELIST": os.environ["SLURM_JOB_NODELIST"], "SLURM_NNODES": str(len(cpus)),
+            "SLURM_NTASKS": str(tasks), "SLURM_NPROCS": str(tasks),
+            "SLURM_TASKS_PER_NODE": per_node_counts(layout)}
+
+
+def spread(tasks: int, room: list[int]) -> list[int]:
+    """`tasks` dealt over nodes in turn, each up to its `room`, then in turn beyond it."""
+    counts = [0] * len(room)
+    node = 0
+    for _ in range(tasks):
+        if sum(counts) < sum(room):
+            while counts[node] >= room[node]:
+                node = (node + 1) % len(room)
+        counts[node] += 1
+        node = (node + 1) % len(room)
+    return counts
+
+
+def per_node_counts(counts: list[int]) -> str:
+    """Counts a node as Slurm writes them: [2, 2, 2, 1] -> '2(x3),1'."""
+    runs: list[list[int]] = []
+    for count in counts:
+        if runs and runs[-1][0] == count:
+            runs[-1][1] += 1
+        else:
+            runs.append([count, 1])
+    return ",".join(f"{c}(x{n})" if n > 1 else str(c) for c, n in runs)
+
+
+def _per_node(counts: str) -> list[int]:
+    """Slurm's counts a node, one a node: '2(x3),1' -> [2, 2, 2, 1]."""
+    out = []
+    for part in filter(None, counts.split(",")):
         count, _, times = part.partition("(x")
-        total += int(count) * (int(times.rstrip(")")) if times else 1)
-    return total
+        if not count.isdigit():
+            return []
+        out += [int(count)] * (int(times.rstrip(")")) if times else 1)
+    return out
+
+
+def _job_tasks() -> tuple[int | None, int]:
+    """The allocation's task count and CPUs per task, as squeue says them."""
+    said = slurm_query("squeue", "-h", "-j", os.environ["SLURM_JOB_ID"], "-O",
+                       "NumTasks,cpus-per-task").split()
+    if len(said) != 2 or not all(x.isdigit() for x in said):
+        return None, 1
+    return int(said[0]), max(1, int(said[1]))
 
 
 def check_local_ip(ip: str) -> None:

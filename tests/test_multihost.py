@@ -177,7 +177,8 @@ def allocation(cluster) -> Iterator[tuple[str, dict[str, str]]]:
         yield job, {**cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job,
                     "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
                     "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
-                    "SLURM_TASKS_PER_NODE": "2(x2)"}
+                    "SLURM_NPROCS": "4", "SLURM_TASKS_PER_NODE": "2(x2)",
+                    "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
     finally:
         cluster.slurm_cmd("scancel", job, check=False)
 
@@ -480,28 +481,36 @@ def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostf
         kernel.km.cleanup_resources()
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "allocation"])
+@pytest.mark.parametrize("launcher", ["ssh", "allocation", "step"])
 def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_kernel,
                                               launcher):
     """JupyterLab on the first node of an allocation (or of a hostfile), ranks on that
     node and the next: the kernel runs on node1 (its namespaces), with 2 ranks beside it
     and 2 on node2. In the allocation a plain `%mpilab start -n 4` goes into it, as
-    `mpiexec -n 4` in its shell would. The ranks answer across the hosts, what runs
-    listens on each host's address on the cluster network or its loopback, and a killed
-    kernel ends every rank on both."""
+    `mpiexec -n 4` in its shell would; so does `--launcher slurm` from a kernel that srun
+    runs in a step of the allocation (`srun --pty jupyter lab`), whose step holds node1's
+    CPUs and whose Slurm variables say one task on one node. The ranks answer across the
+    hosts, what runs listens on each host's address on the cluster network or its
+    loopback, and a killed kernel ends every rank on both."""
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
     with contextlib.ExitStack() as stack:
+        wrap = emulated_cluster.nsenter_argv("node1", [], cwd=REPO)
         if launcher == "ssh":
             env, start = emulated_cluster.env(), f"--hostfile {hostfile}"
         else:
-            env, start = stack.enter_context(allocation(emulated_cluster))[1], ""
-        notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start)
+            job, env = stack.enter_context(allocation(emulated_cluster))
+            start = ""
+            if launcher == "step":
+                wrap = ["srun", f"--jobid={job}", "-N", "1", "-n", "1", "-w", "node1",
+                        f"--chdir={REPO}"]
+                start = "--launcher slurm"
+        notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start, wrap)
 
 
 def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str],
-                                                    start: str) -> None:
+                                                    start: str, wrap: list[str]) -> None:
     node1 = cluster.node("node1").address
-    kernel = Kernel(env=env, wrap=cluster.nsenter_argv("node1", [], cwd=REPO))
+    kernel = Kernel(env=env, wrap=wrap)
     killed = False
     try:
         run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 {start}", timeout=240)
@@ -511,12 +520,12 @@ def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str]
         assert run.ok, run.text
         assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
         assert "[ranks 2-3] node2 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
-        notebook_side = [x for x in listeners_of(kernel.pid) if not is_hydra(x)]
+        process = kernel_process(kernel)
+        notebook_side = [x for x in listeners_of(process.pid) if not is_hydra(x)]
         assert notebook_side and all(x.ip in (node1, "127.0.0.1") for x in notebook_side), \
             notebook_side
         for node in NODES:
             assert_listens_on_its_network_only(cluster, node)
-        (process,) = psutil.Process(kernel.pid).children()  # the kernel, inside nsenter
         process.kill()
         killed = True
         left = wait_nothing_left(cluster, 10)
@@ -528,6 +537,17 @@ def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str]
         kernel.kc.stop_channels()
         kernel.km.cleanup_resources()
         assert not wait_nothing_left(cluster, 15)
+
+
+def kernel_process(kernel: Kernel) -> psutil.Process:
+    """A wrapped kernel's own process (under nsenter, or under slurmstepd on its node
+    where srun runs it): the one whose command line names its connection file."""
+    connection = kernel.km.connection_file
+    found = [p for p in psutil.process_iter(["cmdline"])
+             if (p.info["cmdline"] or [])[1:4] == ["-m", "ipykernel_launcher", "-f"]
+             and connection in p.info["cmdline"]]
+    assert len(found) == 1, found
+    return found[0]
 
 
 @pytest.mark.parametrize("line, message", [

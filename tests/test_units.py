@@ -548,6 +548,36 @@ def test_allocation_tasks_from_slurm_variables(monkeypatch):
     assert allocation_tasks() == 4
 
 
+def test_inside_a_step_the_allocations_layout_is_asked_of_slurm(monkeypatch):
+    """A kernel that srun runs (`srun --pty jupyter lab`) sees its step's one task on one
+    node in SLURM_NTASKS and SLURM_TASKS_PER_NODE: the allocation's tasks come from
+    squeue, and mpiexec gets them laid out as Slurm lays out a job's tasks (round robin
+    up to each node's CPUs, then beyond)."""
+    from mpilab import placement
+
+    asked = []
+    monkeypatch.setattr(placement, "slurm_query",
+                        lambda *cmd: asked.append(cmd) or "4                   1   \n")
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "1",
+                        "SLURM_TASKS_PER_NODE": "1", "SLURM_JOB_NODELIST": "node[1-2]",
+                        "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}.items():
+        monkeypatch.setenv(name, value)
+    assert placement.allocation_tasks() == 4
+    assert asked[0] == ("squeue", "-h", "-j", "7", "-O", "NumTasks,cpus-per-task")
+    assert placement.step_layout() == {
+        "SLURM_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_NTASKS": "4",
+        "SLURM_NPROCS": "4", "SLURM_TASKS_PER_NODE": "2(x2)"}
+    monkeypatch.delenv("SLURM_STEP_ID")  # salloc's shell: its variables are the job's
+    assert placement.allocation_tasks() == 1 and placement.step_layout() == {}
+    assert len(asked) == 2
+    spread = placement.spread
+    assert spread(4, [32, 32]) == [2, 2]  # whole nodes: round robin, not all on the first
+    assert spread(3, [2, 2]) == [2, 1] and spread(5, [2, 2]) == [3, 2]
+    assert spread(7, [1, 4, 1]) == [1, 4, 2]
+    assert placement.per_node_counts([2, 2, 2, 1]) == "2(x3),1"
+    assert placement.per_node_counts([3]) == "3"
+
+
 def test_ranks_go_into_the_allocation_the_kernel_runs_in(monkeypatch):
     """In a Slurm allocation (salloc's shell, JupyterLab inside a job) the ranks go into
     it with --launcher slurm, and under mpiexec without a hostfile, as mpiexec would;
