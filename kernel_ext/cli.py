@@ -251,9 +251,9 @@ def _slurm_found() -> str:
         job = os.environ["SLURM_JOB_ID"]
         try:
             nodes = host_list(placement.allocation_hosts())
+            tasks = placement.allocation_tasks()
         except placement.ClusterError as e:
             return f"allocation {job}, but {e}"
-        tasks = placement.allocation_tasks()
         held = f"; {tasks} tasks" if tasks else ""
         return f"allocation {job} ({nodes}{held}): `%mpilab start -n N` puts the ranks there"
     if shutil.which("sbatch"):
