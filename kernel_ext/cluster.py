@@ -173,6 +173,8 @@ class RankCluster:
     # (an srun orphaned by an mpiexec that died within the first second is never seen
     # among mpiexec's children, and its step keeps the allocation's tasks busy)
     _allocation: tuple[str, str] | None = None
+    # the hostfile the ranks go by: --hostfile's, or the PBS job's node file
+    _hostfile: str | None = None
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
 
@@ -224,7 +226,8 @@ class RankCluster:
                 raise ClusterError(
                     f"the Slurm allocation {job} holds {held} tasks, "
                     f"fewer than -n {cfg.n}: ask salloc for more, or start fewer ranks")
-        where = placement.place(cfg.launcher, cfg.hostfile, cfg.controller_ip, cfg.slurm)
+        self._hostfile = placement.batch_nodefile(cfg.launcher, cfg.hostfile)
+        where = placement.place(cfg.launcher, self._hostfile, cfg.controller_ip, cfg.slurm)
         placement.check_transports(where.listen_ip, cfg.n)
         if not where.remote and not placement.in_allocation():  # every rank on this host
             check_memory_here(cfg.n, ", or place them on several hosts (--hostfile, "
@@ -296,8 +299,8 @@ class RankCluster:
                 self._allocation = (os.environ["SLURM_JOB_ID"], name)
             if into_allocation:
                 cluster.config.MPIEngineSetLauncher.mpi_args = list(placement.SLURM_MPIEXEC_ARGS)
-            elif cfg.hostfile:
-                cluster.config.MPIEngineSetLauncher.mpi_args = ["-f", cfg.hostfile]
+            elif self._hostfile:
+                cluster.config.MPIEngineSetLauncher.mpi_args = ["-f", self._hostfile]
         self._ipp_cluster = cluster
         try:
             cluster.start_cluster_sync()
@@ -408,8 +411,8 @@ class RankCluster:
         if jobs:
             nodes = placement.slurm_job_nodes(jobs[0])
             return host_check.ask_with_srun(self._needed, jobs[0], nodes) if nodes else {}
-        if cfg.hostfile and not said_by_a_tool(output):
-            hosts = [host for host in placement.hostfile_hosts(cfg.hostfile, cfg.n)
+        if self._hostfile and not said_by_a_tool(output):
+            hosts = [host for host in placement.hostfile_hosts(self._hostfile, cfg.n)
                      if not placement.is_this_host(host)]
             return host_check.ask_over_ssh(hosts, self._needed)
         return {}

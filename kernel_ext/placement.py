@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .endpoint import route_source
+from .selection import host_list
 
 LOOPBACK = "127.0.0.1"
 SLURM_QUERY_S = 15.0
@@ -336,6 +337,43 @@ def local_addresses() -> set[str]:
 
 def _choices() -> str:
     return ", ".join(sorted(a for a in local_addresses() if "." in a))
+
+
+def batch_nodefile(launcher: str, hostfile: str | None) -> str | None:
+    """The hostfile the ranks go by: --hostfile's, else, in a PBS job, its node file.
+    mpiexec (Hydra) places ranks on a batch job's hosts by itself where no hostfile is
+    given, so mpilab places them by the same file and listens where those hosts reach
+    it. An LSF or SGE job's host list is in another format: one that names other hosts
+    than this one is one line, asking for them as --hostfile."""
+    if hostfile or launcher != "mpi" or in_allocation():
+        return hostfile
+    env = os.environ
+    listed = None  # Hydra's order: LSF, then SGE, then PBS
+    if env.get("LSF_BINDIR") and env.get("LSB_MCPU_HOSTS"):
+        listed = ("LSF", "LSB_MCPU_HOSTS", env["LSB_MCPU_HOSTS"].split()[::2])
+    elif env.get("SGE_ROOT") and env.get("ARC") and env.get("PE_HOSTFILE"):
+        listed = ("SGE", "PE_HOSTFILE",
+                  [row.split()[0] for row in _read_hosts(env["PE_HOSTFILE"]) if row.split()])
+    elif env.get("PBS_NODEFILE"):
+        _read_hosts(env["PBS_NODEFILE"])
+        return env["PBS_NODEFILE"]
+    if listed is not None:
+        system, variable, hosts = listed
+        others = [host for host in dict.fromkeys(hosts) if not is_this_host(host)]
+        if others:
+            raise ClusterError(
+                f"this kernel runs in an {system} job on {host_list(hosts)}: give its hosts "
+                "as --hostfile (a `host:slots` line each); mpilab places ranks on other "
+                f"hosts by a hostfile, and mpiexec alone would take them from {variable}")
+    return None
+
+
+def _read_hosts(path: str) -> list[str]:
+    try:
+        return Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ClusterError(f"cannot read the batch job's host list {path}: "
+                           f"{e.strerror or e}") from None
 
 
 def hostfile_hosts(path: str, n: int | None = None) -> list[str]:

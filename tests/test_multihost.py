@@ -481,15 +481,17 @@ def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostf
         kernel.km.cleanup_resources()
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "allocation", "step"])
+@pytest.mark.parametrize("launcher", ["ssh", "allocation", "step", "pbs"])
 def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_kernel,
-                                              launcher):
+                                              launcher, tmp_path):
     """JupyterLab on the first node of an allocation (or of a hostfile), ranks on that
     node and the next: the kernel runs on node1 (its namespaces), with 2 ranks beside it
     and 2 on node2. In the allocation a plain `%mpilab start -n 4` goes into it, as
     `mpiexec -n 4` in its shell would; so does `--launcher slurm` from a kernel that srun
     runs in a step of the allocation (`srun --pty jupyter lab`), whose step holds node1's
-    CPUs and whose Slurm variables say one task on one node. The ranks answer across the
+    CPUs and whose Slurm variables say one task on one node; and in a PBS job (its
+    variables and node file, as `qsub -I` gives them; no PBS server here), where
+    mpiexec places the ranks by the node file by itself. The ranks answer across the
     hosts, what runs listens on each host's address on the cluster network or its
     loopback, and a killed kernel ends every rank on both."""
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
@@ -497,6 +499,11 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
         wrap = emulated_cluster.nsenter_argv("node1", [], cwd=REPO)
         if launcher == "ssh":
             env, start = emulated_cluster.env(), f"--hostfile {hostfile}"
+        elif launcher == "pbs":
+            nodefile = tmp_path / "7.head"
+            nodefile.write_text("node1\nnode1\nnode2\nnode2\n")
+            env, start = {**emulated_cluster.env(), "PBS_NODEFILE": str(nodefile),
+                          "PBS_JOBID": "7.head", "PBS_ENVIRONMENT": "PBS_INTERACTIVE"}, ""
         else:
             job, env = stack.enter_context(allocation(emulated_cluster))
             start = ""

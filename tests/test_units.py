@@ -578,6 +578,51 @@ def test_inside_a_step_the_allocations_layout_is_asked_of_slurm(monkeypatch):
     assert placement.per_node_counts([3]) == "3"
 
 
+def test_a_batch_jobs_hosts_place_the_ranks_as_mpiexec_would(monkeypatch, tmp_path):
+    """Without --hostfile, mpiexec (Hydra) places ranks on a PBS, LSF or SGE job's hosts
+    by itself: a PBS job's node file is the hostfile mpilab goes by too; an LSF or SGE
+    job on other hosts is one line; a job on this host alone keeps the ranks here."""
+    import socket
+
+    from mpilab import placement
+
+    for name in ("SLURM_JOB_ID", "PBS_NODEFILE", "LSF_BINDIR", "LSB_MCPU_HOSTS",
+                 "SGE_ROOT", "ARC", "PE_HOSTFILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert placement.batch_nodefile("mpi", None) is None
+    assert placement.batch_nodefile("mpi", "hosts.txt") == "hosts.txt"
+    nodes = tmp_path / "7.head"
+    nodes.write_text("node1\nnode1\nnode2\nnode2\n")
+    monkeypatch.setenv("PBS_NODEFILE", str(nodes))
+    assert placement.batch_nodefile("mpi", None) == str(nodes)
+    assert placement.hostfile_hosts(str(nodes), 4) == ["node1", "node1", "node2", "node2"]
+    assert placement.batch_nodefile("slurm", None) is None  # a Slurm job of its own
+    monkeypatch.setenv("PBS_NODEFILE", str(tmp_path / "gone"))
+    with pytest.raises(placement.ClusterError,
+                       match=r"cannot read the batch job's host list .*gone: No such file"):
+        placement.batch_nodefile("mpi", None)
+    monkeypatch.delenv("PBS_NODEFILE")
+    monkeypatch.setenv("LSF_BINDIR", "/opt/lsf/bin")
+    monkeypatch.setenv("LSB_MCPU_HOSTS", f"{socket.gethostname()} 4")
+    assert placement.batch_nodefile("mpi", None) is None  # this host alone
+    monkeypatch.setenv("LSB_MCPU_HOSTS", "gpu01 4 gpu02 4")
+    with pytest.raises(placement.ClusterError) as told:
+        placement.batch_nodefile("mpi", None)
+    assert str(told.value) == (
+        "this kernel runs in an LSF job on gpu01, gpu02: give its hosts as --hostfile (a "
+        "`host:slots` line each); mpilab places ranks on other hosts by a hostfile, and "
+        "mpiexec alone would take them from LSB_MCPU_HOSTS")
+    monkeypatch.delenv("LSF_BINDIR")
+    pe = tmp_path / "pe_hostfile"
+    pe.write_text("gpu01 4 all.q@gpu01 UNDEFINED\ngpu02 4 all.q@gpu02 UNDEFINED\n")
+    for name, value in {"SGE_ROOT": "/opt/sge", "ARC": "lx-amd64",
+                        "PE_HOSTFILE": str(pe)}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(placement.ClusterError, match="in an SGE job on gpu01, gpu02: .* "
+                                                     "from PE_HOSTFILE"):
+        placement.batch_nodefile("mpi", None)
+
+
 def test_ranks_go_into_the_allocation_the_kernel_runs_in(monkeypatch):
     """In a Slurm allocation (salloc's shell, JupyterLab inside a job) the ranks go into
     it with --launcher slurm, and under mpiexec without a hostfile, as mpiexec would;
