@@ -256,10 +256,11 @@ def in_step() -> bool:
 
 def step_layout() -> dict[str, str]:
     """mpiexec's Slurm variables inside a step: the allocation's nodes and tasks, in
-    place of the step's one task on one node, by which mpiexec would put every rank but
-    one on the last node. Tasks per node as Slurm lays out a job's tasks by default:
-    round robin over the nodes up to each one's CPUs (for its CPUs per task), then in
-    blocks. Empty outside a step, or where Slurm does not say."""
+    place of the step's one task on one node, by which mpiexec would crowd the ranks
+    onto the last node. Tasks per node as Slurm lays out a job's tasks by default:
+    round robin over the nodes up to each one's CPUs (for its CPUs per task). Empty
+    outside a step, or where Slurm does not say (a job that srun itself made, whose
+    step's variables are the job's)."""
     cpus = _per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
     if not in_step() or not cpus or not os.environ.get("SLURM_JOB_NODELIST"):
         return {}
