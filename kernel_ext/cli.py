@@ -261,6 +261,23 @@ def _slurm_found() -> str:
     return "none (ranks run here, or on hosts of a --hostfile over ssh)"
 
 
+def _batch_job_found() -> str | None:
+    """The PBS, LSF or SGE job this runs in and where a plain start puts the ranks
+    there (None: no such job)."""
+    from . import placement
+    from .selection import host_list
+
+    try:
+        nodefile = placement.batch_nodefile("mpi", None)
+        if nodefile is None:
+            return None
+        hosts = host_list(placement.hostfile_hosts(nodefile))
+    except placement.ClusterError as e:
+        return str(e)
+    return (f"PBS job {os.environ.get('PBS_JOBID', '')} ({hosts}): `%mpilab start -n N` "
+            "places the ranks by its node file")
+
+
 def cmd_doctor(args) -> int:
     """What mpilab found on this machine and what is missing, with the fix."""
     from .cluster import ClusterError, find_mpiexec
@@ -310,6 +327,9 @@ def cmd_doctor(args) -> int:
             row(module, "missing")
             problems.append((module, fix))
     row("Slurm", _slurm_found())
+    batch = _batch_job_found()
+    if batch:
+        row("batch job", batch)
     browser = shutil.which("chromium") or shutil.which("chromium-browser")
     row("chromium", browser or "missing (only the browser tests need it)")
     if problems:

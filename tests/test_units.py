@@ -601,7 +601,14 @@ def test_a_batch_jobs_hosts_place_the_ranks_as_mpiexec_would(monkeypatch, tmp_pa
     with pytest.raises(placement.ClusterError,
                        match=r"cannot read the batch job's host list .*gone: No such file"):
         placement.batch_nodefile("mpi", None)
+    monkeypatch.setenv("PBS_NODEFILE", str(nodes))
+    monkeypatch.setenv("PBS_JOBID", "7.head")
+    from mpilab.cli import _batch_job_found  # mpilab doctor's row
+
+    assert _batch_job_found() == ("PBS job 7.head (node1, node2): `%mpilab start -n N` "
+                                  "places the ranks by its node file")
     monkeypatch.delenv("PBS_NODEFILE")
+    assert _batch_job_found() is None
     monkeypatch.setenv("LSF_BINDIR", "/opt/lsf/bin")
     monkeypatch.setenv("LSB_MCPU_HOSTS", f"{socket.gethostname()} 4")
     assert placement.batch_nodefile("mpi", None) is None  # this host alone
