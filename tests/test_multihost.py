@@ -167,18 +167,24 @@ def rank_lines(run) -> list[str]:
 
 
 @contextlib.contextmanager
-def allocation(cluster) -> Iterator[tuple[str, dict[str, str]]]:
-    """salloc's allocation of 2 nodes, 2 tasks each, as `salloc --no-shell` makes it: its
-    job id and the variables a shell inside it has (the kernel's environment)."""
-    out = cluster.slurm_cmd("salloc", "--no-shell", "-N", "2", "-n", "4",
-                            "--ntasks-per-node", "2", "-t", "10").stderr
+def allocation(cluster, one_task: bool = False) -> Iterator[tuple[str, dict[str, str]]]:
+    """salloc's allocation of 2 nodes, 2 tasks each (or of one task with node1's 2 CPUs,
+    as JupyterHub's batchspawner asks for), as `salloc --no-shell` makes it: its job id
+    and the variables a shell inside it has (the kernel's environment)."""
+    shape = ["-N", "1", "-n", "1", "-c", "2", "-w", "node1"] if one_task else \
+        ["-N", "2", "-n", "4", "--ntasks-per-node", "2"]
+    out = cluster.slurm_cmd("salloc", "--no-shell", *shape, "-t", "10").stderr
     job = next(w for w in out.split() if w.isdigit())
+    held = {"SLURM_JOB_NODELIST": "node1", "SLURM_NODELIST": "node1", "SLURM_NNODES": "1",
+            "SLURM_JOB_NUM_NODES": "1", "SLURM_NTASKS": "1", "SLURM_NPROCS": "1",
+            "SLURM_TASKS_PER_NODE": "1", "SLURM_CPUS_PER_TASK": "2",
+            "SLURM_JOB_CPUS_PER_NODE": "2"} if one_task else \
+        {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
+         "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
+         "SLURM_NPROCS": "4", "SLURM_TASKS_PER_NODE": "2(x2)",
+         "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
     try:
-        yield job, {**cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job,
-                    "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
-                    "SLURM_NNODES": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_NTASKS": "4",
-                    "SLURM_NPROCS": "4", "SLURM_TASKS_PER_NODE": "2(x2)",
-                    "SLURM_NTASKS_PER_NODE": "2", "SLURM_JOB_CPUS_PER_NODE": "2(x2)"}
+        yield job, {**cluster.env(), "SLURM_JOB_ID": job, "SLURM_JOBID": job, **held}
     finally:
         cluster.slurm_cmd("scancel", job, check=False)
 
@@ -512,6 +518,35 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
                         f"--chdir={REPO}"]
                 start = "--launcher slurm"
         notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start, wrap)
+
+
+def test_a_notebook_server_in_a_one_task_job_step_starts_ranks_on_its_node(
+        emulated_cluster, ssh_kernel):
+    """JupyterHub's batchspawner: a job of one task with a few CPUs, whose script starts
+    the user's server with srun, so the kernel runs in a step that holds the job's CPUs.
+    `%mpilab start -n 3` puts the ranks on that node (they overlap the server's step),
+    and the stop leaves the job to its server."""
+    assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
+    with allocation(emulated_cluster, one_task=True) as (job, env):
+        env["UCX_TLS"] = "sm,tcp,self"  # every rank on node1, in one PID namespace
+        kernel = Kernel(env=env, wrap=["srun", f"--jobid={job}", "-N", "1", "-n", "1",
+                                       f"--chdir={REPO}"])
+        try:
+            run = kernel.run("%load_ext mpilab\n%mpilab start -n 3", timeout=240)
+            assert run.ok, run.text
+            assert f"3 ranks on node1 in Slurm allocation {job} · " in run.stdout, run.text
+            run = kernel.run("%%ranks\nimport socket\n"
+                             "print(socket.gethostname(), comm.allreduce(rank))", timeout=120)
+            assert run.ok and "[ranks 0-2] node1 3" in run.stdout, run.text
+            assert kernel.run("%mpilab stop", timeout=120).ok
+            assert not mpilab_steps(emulated_cluster, job)
+            assert [j["id"] for j in emulated_cluster.squeue()] == [job]
+        finally:
+            kernel.run("%mpilab stop", timeout=120)
+            kernel.shutdown()
+            kernel.kc.stop_channels()
+            kernel.km.cleanup_resources()
+        assert not wait_nothing_left(emulated_cluster, 15)
 
 
 def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str],
