@@ -132,13 +132,13 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
 class StartReport:
     ranks: list[dict]
     seconds: float
-    slurm: str | None = None  # "job 5", "allocation 42": where Slurm holds the ranks
+    job: str | None = None  # "Slurm job 5", "Slurm allocation 42", "PBS job 7.head"
 
     def line(self) -> str:
         hosts = {r["host"] for r in self.ranks}
         devices = sorted({r["device"] for r in self.ranks})
         backend = self.ranks[0]["backend"] if self.ranks else "?"
-        held = f" in Slurm {self.slurm}" if self.slurm else ""
+        held = f" in {self.job}" if self.job else ""
         return (
             f"mpilab: {len(self.ranks)} ranks on {host_list(hosts)}{held} · "
             f"devices {', '.join(devices)} · backend {backend} · ready in {self.seconds:.1f} s"
@@ -200,6 +200,14 @@ class RankCluster:
         return f"job {jobs[0]}" if jobs else \
             f"allocation {self._allocation[0]}" if self._allocation else None
 
+    def _held_by(self) -> str | None:
+        """The batch job the ranks run in, for the start line."""
+        if self.slurm:
+            return f"Slurm {self.slurm}"
+        if self._hostfile and self._hostfile != self.config.hostfile:  # a PBS job's nodes
+            return f"PBS job {os.environ.get('PBS_JOBID', '')}".strip()
+        return None
+
     def start(self) -> StartReport:
         if self.running:
             raise ClusterError(
@@ -247,7 +255,7 @@ class RankCluster:
             self.stop()
             raise
         return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started,
-                           slurm=self.slurm)
+                           job=self._held_by())
 
     def _start_engines(self, mpiexec: str, where: placement.Placement,
                        into_allocation: bool) -> None:

@@ -558,6 +558,8 @@ def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str]
         run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 {start}", timeout=240)
         assert run.ok, run.text
         assert "4 ranks on node1, node2" in run.stdout, run.text
+        if start == "" and "PBS_JOBID" in env:
+            assert "4 ranks on node1, node2 in PBS job 7.head · " in run.stdout, run.text
         run = kernel.run(CHECK_CELL, timeout=120)
         assert run.ok, run.text
         assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text

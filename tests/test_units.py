@@ -730,7 +730,7 @@ def test_many_hosts_are_named_in_ranges():
         "16 hosts: r0n[0-1], r1n[0-1], r2n[0-1], r3n[0-1], r4n[0-1], r5n[0-1], … (2 more)")
     ranks = [{"host": f"gpu{r // 8 + 1:03d}", "device": f"cuda:{r % 8}", "backend": "nccl"}
              for r in range(1024)]
-    line = StartReport(ranks=ranks, seconds=42.0, slurm="job 5").line()
+    line = StartReport(ranks=ranks, seconds=42.0, job="Slurm job 5").line()
     assert line.startswith("mpilab: 1024 ranks on 128 hosts: gpu[001-128] in Slurm job 5 · "
                            "devices "), line
 
