@@ -274,8 +274,8 @@ def _batch_job_found() -> str | None:
         hosts = host_list(placement.hostfile_hosts(nodefile))
     except placement.ClusterError as e:
         return str(e)
-    return (f"PBS job {os.environ.get('PBS_JOBID', '')} ({hosts}): `%mpilab start -n N` "
-            "places the ranks by its node file")
+    return (f"{placement.pbs_job()} ({hosts}): `%mpilab start -n N` places the ranks by "
+            "its node file")
 
 
 def cmd_doctor(args) -> int:

@@ -205,7 +205,7 @@ class RankCluster:
         if self.slurm:
             return f"Slurm {self.slurm}"
         if self._hostfile and self._hostfile != self.config.hostfile:  # a PBS job's nodes
-            return f"PBS job {os.environ.get('PBS_JOBID', '')}".strip()
+            return placement.pbs_job()
         return None
 
     def start(self) -> StartReport:

@@ -251,7 +251,7 @@ def allocation_tasks() -> int | None:
 def in_step() -> bool:
     """This kernel runs inside a step of its allocation (`srun --pty jupyter lab`, or a
     shell that `srun --pty bash` opened): Slurm's task variables are the step's."""
-    return bool(os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_STEP_ID"))
+    return in_allocation() and bool(os.environ.get("SLURM_STEP_ID"))
 
 
 def step_layout() -> dict[str, str]:
@@ -261,8 +261,10 @@ def step_layout() -> dict[str, str]:
     round robin over the nodes up to each one's CPUs (for its CPUs per task). Empty
     outside a step, or where Slurm does not say (a job that srun itself made, whose
     step's variables are the job's)."""
+    if not in_step():
+        return {}
     cpus = _per_node(os.environ.get("SLURM_JOB_CPUS_PER_NODE", ""))
-    if not in_step() or not cpus or not os.environ.get("SLURM_JOB_NODELIST"):
+    if not cpus or not os.environ.get("SLURM_JOB_NODELIST"):
         return {}
     tasks, per_task = _job_tasks()
     if tasks is None:
@@ -367,6 +369,11 @@ def batch_nodefile(launcher: str, hostfile: str | None) -> str | None:
                 "as --hostfile (a `host:slots` line each); mpilab places ranks on other "
                 f"hosts by a hostfile, and mpiexec alone would take them from {variable}")
     return None
+
+
+def pbs_job() -> str:
+    """The PBS job whose node file batch_nodefile gave, as messages name it."""
+    return f"PBS job {os.environ.get('PBS_JOBID', '')}".strip()
 
 
 def _read_hosts(path: str) -> list[str]:

@@ -503,6 +503,7 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
     with contextlib.ExitStack() as stack:
         wrap = emulated_cluster.nsenter_argv("node1", [], cwd=REPO)
+        held = ""  # the start line's " in <job>"
         if launcher == "ssh":
             env, start = emulated_cluster.env(), f"--hostfile {hostfile}"
         elif launcher == "pbs":
@@ -510,14 +511,16 @@ def test_a_notebook_on_one_of_the_ranks_hosts(emulated_cluster, hostfile, ssh_ke
             nodefile.write_text("node1\nnode1\nnode2\nnode2\n")
             env, start = {**emulated_cluster.env(), "PBS_NODEFILE": str(nodefile),
                           "PBS_JOBID": "7.head", "PBS_ENVIRONMENT": "PBS_INTERACTIVE"}, ""
+            held = " in PBS job 7.head"
         else:
             job, env = stack.enter_context(allocation(emulated_cluster))
-            start = ""
+            start, held = "", f" in Slurm allocation {job}"
             if launcher == "step":
                 wrap = ["srun", f"--jobid={job}", "-N", "1", "-n", "1", "-w", "node1",
                         f"--chdir={REPO}"]
                 start = "--launcher slurm"
-        notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start, wrap)
+        notebook_on_node1_runs_ranks_there_and_on_node2(emulated_cluster, env, start, wrap,
+                                                        held)
 
 
 def test_a_notebook_server_in_a_one_task_job_step_starts_ranks_on_its_node(
@@ -550,16 +553,15 @@ def test_a_notebook_server_in_a_one_task_job_step_starts_ranks_on_its_node(
 
 
 def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str],
-                                                    start: str, wrap: list[str]) -> None:
+                                                    start: str, wrap: list[str],
+                                                    held: str) -> None:
     node1 = cluster.node("node1").address
     kernel = Kernel(env=env, wrap=wrap)
     killed = False
     try:
         run = kernel.run(f"%load_ext mpilab\n%mpilab start -n 4 {start}", timeout=240)
         assert run.ok, run.text
-        assert "4 ranks on node1, node2" in run.stdout, run.text
-        if start == "" and "PBS_JOBID" in env:
-            assert "4 ranks on node1, node2 in PBS job 7.head · " in run.stdout, run.text
+        assert f"4 ranks on node1, node2{held} · " in run.stdout, run.text
         run = kernel.run(CHECK_CELL, timeout=120)
         assert run.ok, run.text
         assert "[ranks 0-1] node1 [6.0, 6.0, 6.0] 6 hierarchical 1" in run.stdout, run.text
