@@ -28,16 +28,22 @@ test: install
 demo: install
 	$(BIN)/mpilab run notebooks/01_quickstart.ipynb -o build/quickstart.ipynb --html build/quickstart.html
 
-# every figure of the README's benchmark table, with the options it quotes (~29 min)
+# every figure of the README's benchmark table, with the options it quotes, and the
+# further rows of docs/benchmarks.md (the multi-host rows need root: emulated hosts)
 bench: install
-	$(BIN)/python benchmarks/bench_dispatch.py --reps 40
-	$(BIN)/python benchmarks/bench_start.py --reps 3
+	$(BIN)/python benchmarks/bench_start.py --reps 5
+	$(BIN)/python benchmarks/bench_start.py -n 16 --reps 3
 	$(BIN)/python benchmarks/bench_first_cell.py --reps 3
+	$(BIN)/python benchmarks/bench_dispatch.py --reps 40
+	$(BIN)/python benchmarks/bench_torchrun.py --repeats 7
 	$(BIN)/python benchmarks/bench_training.py --steps 20 --repeats 5
 	$(BIN)/python benchmarks/bench_training.py --one-job --steps 20 --repeats 9
-	$(BIN)/python benchmarks/bench_allreduce.py --repeats 30
+	$(BIN)/python benchmarks/bench_allreduce.py --repeats 20
 	$(BIN)/python benchmarks/bench_pieces.py
 	$(BIN)/python benchmarks/bench_allreduce_passes.py
+	$(BIN)/python benchmarks/bench_multinode.py --repeats 9 --starts 5
+	$(BIN)/python benchmarks/bench_multinode.py --no-start --ops broadcast,allgather --repeats 9
+	$(BIN)/python benchmarks/bench_scale.py
 	$(BIN)/python benchmarks/bench_redraw.py
 	$(BIN)/python benchmarks/bench_overhead.py --reps 3 --phase-cells 12
 	$(BIN)/python benchmarks/bench_overhead.py -n 1 --threads 1 --reps 3 --phase-cells 6
