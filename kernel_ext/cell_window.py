@@ -68,9 +68,12 @@ class CellWindow:
         return self._marks
 
     def started(self, store: MetricsStore) -> float | None:
-        """When the first rank began the cell (epoch s), once one has."""
+        """When the first rank began the cell (epoch s, the notebook's clock), once one
+        has."""
         bounds = self.bounds(store)
-        return min(start for start, _ in bounds.values()) if bounds else None
+        to_notebook = store.clocks.to_notebook
+        return min(to_notebook(r, start) for r, (start, _) in bounds.items()) \
+            if bounds else None
 
     def ended(self, store: MetricsStore) -> set[int]:
         return {r for r, (_, end) in self.bounds(store).items() if end != math.inf}

@@ -13,10 +13,12 @@ if TYPE_CHECKING:
 
 
 def save_metrics(store: MetricsStore, path: str | Path) -> Path:
-    """Write step and log records as JSON (everything) or CSV (one row a record)."""
+    """Write step and log records as JSON (everything) or CSV (one row a record); their
+    times on the notebook's clock."""
     path = Path(path)
+    to_notebook = store.clocks.to_notebook
     rows = [
-        {"kind": rec["k"], "rank": rec["r"], "time": rec["t"],
+        {"kind": rec["k"], "rank": rec["r"], "time": to_notebook(rec["r"], rec["t"]),
          **{k: v for k, v in rec.items()
             if k not in ("k", "r", "t", "values", "recv", "_n")},
          **rec.get("values", {})}
@@ -38,16 +40,18 @@ def save_metrics(store: MetricsStore, path: str | Path) -> Path:
 
 
 def chrome_trace(store: MetricsStore) -> dict:
-    """Spans as a Chrome trace (chrome://tracing, Perfetto): one process per rank."""
+    """Spans as a Chrome trace (chrome://tracing, Perfetto): one process per rank, on
+    the notebook's clock (ranks on several hosts line up where their clocks differ)."""
     events = []
     for rank in range(store.world_size):
+        offset = store.clocks.offset(rank)
         events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
                        "args": {"name": f"rank {rank}"}})
         for span in store.records("span", rank):
             events.append({
                 "ph": "X", "name": span["name"], "cat": span["cat"], "pid": rank,
                 "tid": 1 if span["cat"] == "comm" else 0,
-                "ts": span["ts"] * 1e6, "dur": span["dur"] * 1e6,
+                "ts": (span["ts"] + offset) * 1e6, "dur": span["dur"] * 1e6,
                 "args": {k: span[k] for k in ("nbytes", "seq") if k in span},
             })
     return {"traceEvents": events, "displayTimeUnit": "ms"}

@@ -21,6 +21,7 @@ import numpy as np
 
 from .cell_window import Bounds, CellMarks
 from .metrics_export import chrome_trace, save_metrics, save_trace
+from .rank_clocks import RankClocks
 from .records import check_blocks, well_formed
 from .row_tables import MAX_STORE_ROWS, MIN_TABLE_ROWS, TABLE_BYTES_PER_ROW, RowTable, TableBudget
 from .wire import HEARTBEAT, ROWS, TABLES, decode, encode
@@ -51,7 +52,9 @@ class MetricsStore:
     version: int = 0  # bumps on every filing; readers poll it cheaply
     events: int = 0  # events filed into the buffers (a cell's start and end among them)
     beats: int = 0  # heartbeats filed: a reader of `heartbeats` polls it cheaply
-    heartbeats: dict = field(default_factory=dict)
+    heartbeats: dict = field(default_factory=dict)  # rank -> newest; its "at" is its "t"
+    # on the notebook's clock (`clocks`)
+    clocks: RankClocks = field(default_factory=RankClocks)  # each rank's clock's offset
     _latest: dict = field(default_factory=dict)  # (what, rank) -> newest LATEST_ONLY event
     last_seen: dict = field(default_factory=dict)  # rank -> monotonic time of last record
     _buffers: dict = field(default_factory=dict)  # (kind, rank) -> records (events)
@@ -148,6 +151,7 @@ class MetricsStore:
             rank, kind = record["r"], record["k"]
             record["recv"] = now
             if kind == HEARTBEAT:
+                record["at"] = self.clocks.heard(rank, record["t"], now)
                 self.heartbeats[rank] = record
                 self.beats += 1
             elif record["what"] in LATEST_ONLY_EVENTS:

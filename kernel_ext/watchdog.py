@@ -72,8 +72,11 @@ def describe(rank: int, hb: dict | None) -> str:
 
 
 def _age(hb: dict) -> float:
-    """How long the rank has been in its current collective, as of now."""
-    return hb.get("op_age", 0.0) + max(0.0, time.time() - hb.get("t", time.time()))
+    """How long the rank has been in its current collective, as of now: its age when the
+    rank sent the heartbeat, and the time since, on the notebook's clock (the store's
+    "at": a rank on another host may keep another time)."""
+    now = time.time()
+    return hb.get("op_age", 0.0) + max(0.0, now - hb.get("at", now))
 
 
 class CollectiveLedger:
@@ -421,5 +424,5 @@ def last_checkpoint(store) -> str:
     last = store.latest_event("checkpoint", rank=0)  # rank 0 writes them
     if last is None:
         return "no checkpoint was saved"
-    when = time.strftime("%H:%M:%S", time.localtime(last["t"]))
+    when = time.strftime("%H:%M:%S", time.localtime(store.clocks.to_notebook(0, last["t"])))
     return f"the last checkpoint saved was {last.get('path', '?')} at {when}"

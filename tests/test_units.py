@@ -262,6 +262,41 @@ def test_a_collective_of_an_earlier_cell_is_no_hang_of_this_one(monkeypatch):
         "for 3.2 s"
 
 
+def test_a_ranks_clock_is_read_from_its_quickest_heartbeat_and_followed_when_stepped():
+    """Arrival minus making is the clocks' offset plus the way: the smallest is the
+    offset. A clock stepped (NTP) is followed within two windows."""
+    from mpilab.rank_clocks import WINDOW_S, RankClocks
+
+    clocks, now = RankClocks(), 1000.0
+    for delay in (0.2, 0.004, 0.05, 0.001, 0.3):  # rank 1's clock is 90 s behind
+        now += 0.5
+        made = clocks.heard(1, now - 90 - delay, now)
+    assert made == pytest.approx(now - 0.3 + 0.001)  # the last, on the notebook's clock
+    assert clocks.offset(1) == pytest.approx(90.001)
+    assert clocks.to_notebook(1, now - 90.001) == pytest.approx(now)
+    assert clocks.offset(0) == 0.0  # no heartbeat yet: its times as they are
+    for _ in range(int(2 * WINDOW_S / 0.5) + 2):  # stepped forward to 2 s behind
+        now += 0.5
+        clocks.heard(1, now - 2.002, now)
+    assert clocks.offset(1) == pytest.approx(2.002)
+
+
+def test_a_rank_whose_clock_is_behind_is_no_hang_until_it_has_waited(monkeypatch):
+    """A rank on a host whose clock is 90 s behind the notebook's: its heartbeat's age in
+    a collective is what it waited, not what the clocks differ by."""
+    cluster = _QuietCluster()
+    now = 1000.0
+    monkeypatch.setattr("time.time", lambda: now)
+    cell = cluster.start_cell(1, now - 90)
+    watchdog = Watchdog(cluster, [0, 1], hang_timeout=3.0, cell=cell)
+    cluster.beat(0, now - 90, "collective", op="allreduce", op_age=1.0)
+    cluster.beat(1, now, "running")
+    assert watchdog.check(now, {}) is None
+    now += 2.5
+    assert watchdog.check(now, {}).lines[0] == "hang: rank 0 was waiting in allreduce #7 " \
+        "for 3.5 s"
+
+
 def test_a_noblock_cell_ahead_in_the_queue_is_not_watched_as_this_one(monkeypatch):
     """Run right after a --noblock cell, before that cell's first heartbeat: the heartbeats
     that come next are the --noblock cell's, not this one's, until the ranks begin it."""
