@@ -128,11 +128,21 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
             f"at most {available // RANK_BYTES} here{elsewhere}")
 
 
+# a host whose clock is this far from the notebook's is named when the ranks start: mpilab
+# reads the ranks' times on the notebook's clock (mpilab.rank_clocks), the user's code
+# there does not
+CLOCK_NOTE_S = 5.0
+# how long a start waits for every rank's first heartbeat, for that note (each leaves
+# as its rank's agent starts, before the rank's bootstrap ends: it is there already)
+FIRST_HEARTBEAT_WAIT_S = 1.0
+
+
 @dataclass
 class StartReport:
     ranks: list[dict]
     seconds: float
     job: str | None = None  # "Slurm job 5", "Slurm allocation 42", "PBS job 7.head"
+    clocks_off: dict[str, float] = field(default_factory=dict)  # host -> s behind ours
 
     def line(self) -> str:
         hosts = {r["host"] for r in self.ranks}
@@ -143,6 +153,23 @@ class StartReport:
             f"mpilab: {len(self.ranks)} ranks on {host_list(hosts)}{held} · "
             f"devices {', '.join(devices)} · backend {backend} · ready in {self.seconds:.1f} s"
         )
+
+    def notes(self) -> list[str]:
+        """One line naming the hosts whose clocks are CLOCK_NOTE_S or more off from this
+        one's, if any (a thousand ranks' hosts read as one range)."""
+        off = self.clocks_off
+        if not off:
+            return []
+        if len(off) == 1:
+            (host, by), = off.items()
+            whose = (f"{host}'s clock is {abs(by):.0f} s "
+                     f"{'behind' if by > 0 else 'ahead of'} this host's")
+        else:
+            low, high = min(abs(by) for by in off.values()), max(abs(by) for by in off.values())
+            whose = (f"the clocks of {host_list(off)} are {low:.0f}–{high:.0f} s off this "
+                     "host's")
+        return [f"mpilab: {whose} (no NTP there?): mpilab reads the ranks' times on this "
+                "clock, but the times your code reads there differ"]
 
 
 @dataclass
@@ -255,7 +282,17 @@ class RankCluster:
             self.stop()
             raise
         return StartReport(ranks=self.ranks, seconds=time.perf_counter() - started,
-                           job=self._held_by())
+                           job=self._held_by(), clocks_off=self._clocks_off())
+
+    def _clocks_off(self) -> dict[str, float]:
+        """host -> how far its clock is behind this one's (s; negative: ahead), for the
+        hosts CLOCK_NOTE_S or more off, from the ranks' heartbeats so far."""
+        store, ranks = self.store, self.ranks
+        deadline = time.monotonic() + FIRST_HEARTBEAT_WAIT_S
+        while len(store.heartbeats) < len(ranks) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        offsets = {r["host"]: store.clocks.offset(r["rank"]) for r in ranks}
+        return {host: off for host, off in offsets.items() if abs(off) >= CLOCK_NOTE_S}
 
     def _start_engines(self, mpiexec: str, where: placement.Placement,
                        into_allocation: bool) -> None:

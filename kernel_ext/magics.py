@@ -13,7 +13,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from .cell import RunOptions
-from .cluster import ClusterConfig, ClusterError
+from .cluster import ClusterConfig, ClusterError, StartReport
 from .placement import SlurmSettings
 from .selection import parse_ranks
 from .session import Session
@@ -59,6 +59,13 @@ def help_text(func) -> str:
     text = func.parser.format_help()
     usage, _, rest = text.removeprefix("::\n\n").partition("\n\n")
     return textwrap.dedent(usage) + "\n\n" + rest.rstrip() + "\n"
+
+
+def _print_start(report: StartReport) -> None:
+    """A start's line, then its notes (a host whose clock is off)."""
+    print(report.line())
+    for note in report.notes():
+        print(note)
 
 
 def _unknown_subcommand(word: str | None) -> str:
@@ -177,7 +184,7 @@ class MpilabMagics(Magics):
             if args.hang_timeout <= 0:
                 raise UsageError("--hang-timeout must be a positive number of seconds")
             self.session.hang_timeout = args.hang_timeout
-        print(self.session.start(config).line())
+        _print_start(self.session.start(config))
 
     @magic_arguments(name="mpilab stop")
     def _stop_args(self, line):
@@ -194,7 +201,7 @@ class MpilabMagics(Magics):
 
     def _restart(self, rest: str):
         self._no_args("restart", rest)
-        print(self.session.restart().line())
+        _print_start(self.session.restart())
 
     @magic_arguments(name="mpilab status")
     def _status_args(self, line):

@@ -60,12 +60,6 @@ SLURMCTLD_PORT = 16817
 SLURMD_PORT = 16818
 PARTITION = "debug"
 UP_TIMEOUT = 60.0
-# A host whose clock is off, as one without NTP: what node3's ssh sessions run (mpiexec's
-# proxies and ranks there) reads the wall clock this many seconds behind the others'
-# (Debian's libfaketime; its monotonic clock stays true). Slurm's daemons and steps there
-# keep the true time.
-CLOCK_BEHIND = {"node3": 90}
-FAKETIME_LIBRARY = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
 
 TOOLS = ("ip", "unshare", "nsenter", "hostname", "mount",
          "/usr/sbin/sshd", "ssh", "ssh-keygen",
@@ -610,11 +604,9 @@ class EmulatedCluster:
         if os.geteuid() != 0:
             raise ClusterError("the emulated cluster needs root (Linux namespaces, veth links)")
         missing = [t for t in TOOLS if shutil.which(t) is None]
-        if CLOCK_BEHIND and not os.path.exists(FAKETIME_LIBRARY):
-            missing.append(FAKETIME_LIBRARY)
         if missing:
             raise ClusterError(f"missing {', '.join(missing)}: install iproute2 util-linux "
-                               "openssh-server slurm-wlm munge libfaketime (as .ci/run does)")
+                               "openssh-server slurm-wlm munge (as .ci/run does)")
 
     def _acquire_lock(self) -> None:
         """Hold the instance's lock file (flock) until `down()`, waiting up to lock_timeout.
@@ -992,10 +984,7 @@ UnkillableStepTimeout=10
 
 
 def _sshd_config(n: Node, nd: Path, ssh_dir: Path) -> str:
-    behind = CLOCK_BEHIND.get(n.name)
-    clock = (f"SetEnv LD_PRELOAD={FAKETIME_LIBRARY} FAKETIME=-{behind} "
-             "FAKETIME_DONT_FAKE_MONOTONIC=1\n") if behind else ""
-    return clock + f"""\
+    return f"""\
 # sshd of emulated node {n.name} (tests/cluster.py): key login only, this run's keys
 ListenAddress {n.address}
 Port {SSH_PORT}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -295,6 +296,31 @@ def test_a_rank_whose_clock_is_behind_is_no_hang_until_it_has_waited(monkeypatch
     now += 2.5
     assert watchdog.check(now, {}).lines[0] == "hang: rank 0 was waiting in allreduce #7 " \
         "for 3.5 s"
+
+
+def test_a_cells_start_and_a_trace_are_read_on_the_notebooks_clock(monkeypatch, tmp_path):
+    """A cell's --timeout counts from its first rank's start, and a trace puts every
+    rank's spans on one clock, where rank 1's host keeps a clock 90 s behind."""
+    cluster = _QuietCluster()
+    now = 1000.0
+    monkeypatch.setattr("time.time", lambda: now)
+    cluster.beat(0, now, "running")
+    cluster.beat(1, now - 90, "running")
+    store = cluster.store
+    msg_ids = {0: "request-0", 1: "request-1"}
+    for r, began in ((0, now - 2), (1, now - 92.5)):  # rank 1 began half a second sooner
+        store.add({"k": "event", "r": r, "t": began, "what": "cell-start", "cell": 1,
+                   "msg": msg_ids[r]})
+    assert CellWindow(since=now - 3, msg_ids=msg_ids).started(store) == pytest.approx(now - 2.5)
+    for r, ended in ((0, now - 1), (1, now - 91)):  # one allreduce, ended together
+        store.add({"k": "span", "r": r, "t": ended, "name": "allreduce", "cat": "comm",
+                   "ts": ended - 0.5, "dur": 0.5})
+    spans = [e for e in store.chrome_trace()["traceEvents"] if e["ph"] == "X"]
+    assert [e["ts"] for e in spans] == pytest.approx([(now - 1.5) * 1e6] * 2)
+    assert store.add({"k": "step", "r": 1, "t": now - 91, "step": 1, "dur": 0.1,
+                      "compute": 0.08, "comm": 0.02, "nbytes": 64, "samples": 8})
+    saved = json.loads(store.save(tmp_path / "m.json").read_text())["records"]
+    assert saved[0]["time"] == pytest.approx(now - 1)
 
 
 def test_a_noblock_cell_ahead_in_the_queue_is_not_watched_as_this_one(monkeypatch):
@@ -768,6 +794,15 @@ def test_many_hosts_are_named_in_ranges():
     line = StartReport(ranks=ranks, seconds=42.0, job="Slurm job 5").line()
     assert line.startswith("mpilab: 1024 ranks on 128 hosts: gpu[001-128] in Slurm job 5 · "
                            "devices "), line
+    # hosts whose clocks are off: one line, however many
+    off = {f"gpu{i:03d}": 6.0 + i for i in range(1, 41)}
+    notes = StartReport(ranks=ranks, seconds=42.0, clocks_off=off).notes()
+    assert notes == ["mpilab: the clocks of 40 hosts: gpu[001-040] are 7–46 s off this "
+                     "host's (no NTP there?): mpilab reads the ranks' times on this clock, "
+                     "but the times your code reads there differ"]
+    notes = StartReport(ranks=ranks, seconds=42.0, clocks_off={"gpu007": -12.4}).notes()
+    assert notes[0].startswith("mpilab: gpu007's clock is 12 s ahead of this host's (")
+    assert StartReport(ranks=ranks, seconds=42.0).notes() == []
 
 
 def test_the_launchers_telling_line_is_picked():
