@@ -500,9 +500,9 @@ class RankCluster:
         ar = view.apply_async(bootstrap, cfg.gpus, cfg.backend, self._receiver.address,
                               cfg.timeout, self.input_desk.address)
         if not ar.wait(cfg.timeout):
-            raise ClusterError(
-                f"the ranks did not finish their bootstrap within {cfg.timeout:.0f} s"
-            )
+            results = self._client.results
+            raise ClusterError(bootstrap_timeout_line(
+                cfg.n, [results[m] for m in ar.msg_ids if m in results], cfg.timeout))
         try:
             summaries = ar.get()
         except Exception as e:  # noqa: BLE001 - the ranks' own error, shortened
@@ -832,6 +832,21 @@ def telling_line(output: str) -> str | None:
         if report.cause.startswith(_NOT_STARTED):
             return report.cause[len(_NOT_STARTED):]
     return next((line for line in lines if _ANY_ERROR.search(line)), None)
+
+
+def bootstrap_timeout_line(n: int, finished: list, timeout: float) -> str:
+    """The line for a bootstrap that ran out of time: which ranks did not finish, told
+    from the ones that did (a rank's number is known from its finished bootstrap only),
+    and the hosts those are on."""
+    summaries = [s for s in finished if isinstance(s, dict) and "rank" in s]
+    waited = f"within {timeout:.0f} s"
+    if not summaries:
+        return f"the ranks did not finish their bootstrap {waited}"
+    done = sorted(s["rank"] for s in summaries)
+    missing = sorted(set(range(n)) - set(done))
+    hosts = host_list({s.get("host", "?") for s in summaries})
+    return (f"{rank_label(missing)} did not finish {'its' if len(missing) == 1 else 'their'} "
+            f"bootstrap {waited} ({rank_label(done)} on {hosts} did)")
 
 
 def check_one_world(summaries: list[dict], n: int) -> None:

@@ -805,6 +805,19 @@ def test_many_hosts_are_named_in_ranges():
     assert StartReport(ranks=ranks, seconds=42.0).notes() == []
 
 
+def test_a_bootstrap_out_of_time_names_the_ranks_that_did_not_finish():
+    from mpilab.cluster import bootstrap_timeout_line
+
+    assert bootstrap_timeout_line(2, [], 120) == \
+        "the ranks did not finish their bootstrap within 120 s"
+    line = bootstrap_timeout_line(4, [{"rank": 2, "host": "node3"},
+                                      {"rank": 3, "host": "node3"}, RuntimeError()], 120)
+    assert line == ("ranks 0-1 did not finish their bootstrap within 120 s (ranks 2-3 on "
+                    "node3 did)")
+    assert bootstrap_timeout_line(2, [{"rank": 1, "host": "b"}], 60).startswith(
+        "rank 0 did not finish its bootstrap within 60 s (rank 1 on b did")
+
+
 def test_the_launchers_telling_line_is_picked():
     from mpilab.cluster import telling_line
 
