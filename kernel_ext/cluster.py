@@ -132,9 +132,6 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
 # reads the ranks' times on the notebook's clock (mpilab.rank_clocks), the user's code
 # there does not
 CLOCK_NOTE_S = 5.0
-# how long a start waits for every rank's first heartbeat, for that note (each leaves
-# as its rank's agent starts, before the rank's bootstrap ends: it is there already)
-FIRST_HEARTBEAT_WAIT_S = 1.0
 
 
 @dataclass
@@ -165,9 +162,9 @@ class StartReport:
             whose = (f"{host}'s clock is {abs(by):.0f} s "
                      f"{'behind' if by > 0 else 'ahead of'} this host's")
         else:
-            low, high = min(abs(by) for by in off.values()), max(abs(by) for by in off.values())
-            whose = (f"the clocks of {host_list(off)} are {low:.0f}–{high:.0f} s off this "
-                     "host's")
+            spread = sorted(abs(by) for by in off.values())
+            whose = (f"the clocks of {host_list(off)} are {spread[0]:.0f}–{spread[-1]:.0f} s "
+                     "off this host's")
         return [f"mpilab: {whose} (no NTP there?): mpilab reads the ranks' times on this "
                 "clock, but the times your code reads there differ"]
 
@@ -286,12 +283,9 @@ class RankCluster:
 
     def _clocks_off(self) -> dict[str, float]:
         """host -> how far its clock is behind this one's (s; negative: ahead), for the
-        hosts CLOCK_NOTE_S or more off, from the ranks' heartbeats so far."""
-        store, ranks = self.store, self.ranks
-        deadline = time.monotonic() + FIRST_HEARTBEAT_WAIT_S
-        while len(store.heartbeats) < len(ranks) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        offsets = {r["host"]: store.clocks.offset(r["rank"]) for r in ranks}
+        hosts CLOCK_NOTE_S or more off, from the ranks' heartbeats so far: a rank's first
+        leaves as its agent starts, before its bootstrap ends."""
+        offsets = {r["host"]: self.store.clocks.offset(r["rank"]) for r in self.ranks}
         return {host: off for host, off in offsets.items() if abs(off) >= CLOCK_NOTE_S}
 
     def _start_engines(self, mpiexec: str, where: placement.Placement,

@@ -46,7 +46,7 @@ class RankClocks:
             est.previous, est.current, est.window_start = est.current, sample, arrived
         elif sample < est.current:
             est.current = sample
-        return made + min(est.current, est.previous)
+        return self.to_notebook(rank, made)
 
     def offset(self, rank: int) -> float:
         """Seconds to add to `rank`'s times to read them on the notebook's clock (0 until
