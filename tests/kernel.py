@@ -171,6 +171,12 @@ class Kernel:
         self.kc.stop_channels()
         self.km.shutdown_kernel(now=False)
 
+    def release(self) -> None:
+        """After the kernel was killed: close the channels and remove its connection
+        files (a shutdown would wait for a kernel that cannot answer)."""
+        self.kc.stop_channels()
+        self.km.cleanup_resources()
+
 
 def _start_wrapped(wrap: list[str], kwargs: dict, folder: Path):
     """A kernel whose command line runs inside `wrap`, from a kernel spec of its own in

@@ -236,5 +236,4 @@ def test_killed_kernel_leaves_no_ranks_behind():
         _, alive = psutil.wait_procs(tree, timeout=20)
         assert not alive, [p.cmdline()[:4] for p in alive]
     finally:
-        kernel.kc.stop_channels()
-        kernel.km.cleanup_resources()
+        kernel.release()

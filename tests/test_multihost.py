@@ -483,8 +483,7 @@ def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostf
         left = wait_nothing_left(emulated_cluster, 10)
         assert not left, left
     finally:
-        kernel.kc.stop_channels()
-        kernel.km.cleanup_resources()
+        kernel.release()
 
 
 @pytest.mark.parametrize("launcher", ["ssh", "allocation", "step", "pbs"])
@@ -547,8 +546,6 @@ def test_a_notebook_server_in_a_one_task_job_step_starts_ranks_on_its_node(
         finally:
             kernel.run("%mpilab stop", timeout=120)
             kernel.shutdown()
-            kernel.kc.stop_channels()
-            kernel.km.cleanup_resources()
         assert not wait_nothing_left(emulated_cluster, 15)
 
 
@@ -577,11 +574,11 @@ def notebook_on_node1_runs_ranks_there_and_on_node2(cluster, env: dict[str, str]
         left = wait_nothing_left(cluster, 10)
         assert not left, left
     finally:
-        if not killed:
+        if killed:
+            kernel.release()
+        else:
             kernel.run("%mpilab stop", timeout=120)
             kernel.shutdown()
-        kernel.kc.stop_channels()
-        kernel.km.cleanup_resources()
         assert not wait_nothing_left(cluster, 15)
 
 
@@ -857,8 +854,7 @@ def test_slurm_kernel_killed_ends_the_job(emulated_cluster, slurm_kernel):
         assert not wait_nothing_left(emulated_cluster, 0)
         assert emulated_cluster.squeue() == []
     finally:
-        kernel.kc.stop_channels()
-        kernel.km.cleanup_resources()
+        kernel.release()
 
 
 def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tmp_path):
