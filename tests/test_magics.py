@@ -237,6 +237,17 @@ def test_error_traceback_once_naming_ranks_without_glue_frames(ranks):
     assert "[rank 0] ok 0" in run.stdout
 
 
+def test_an_error_mpilab_raises_shows_the_users_line_and_none_of_mpilabs(ranks):
+    """mpilab.shard checks its dataset in a dataclass: the generated `__init__` (file
+    "<string>") that calls mpilab's check is mpilab's too."""
+    run = ranks.run("%%ranks\nimport torch\n"
+                    "ds = torch.utils.data.TensorDataset(torch.arange(1.0))\n"
+                    "loader = mpilab.shard(ds, batch_size=4)")
+    err = run.error_text
+    assert "line 3, in <module>" in err and "cannot be sharded over 2 ranks" in err, err
+    assert "<string>" not in err and "__init__" not in err, err
+
+
 def test_same_error_on_all_ranks_shown_once(ranks):
     run = ranks.run("%%ranks\n1/0")
     assert not run.ok

@@ -239,7 +239,12 @@ def format_clean_traceback(shell, etype, value, tb) -> list[str]:
 
 
 def _user_frames(tb) -> list[traceback.FrameSummary]:
-    return [f for f in traceback.extract_tb(tb) if not _is_hidden(f.filename)]
+    """The frames shown: none of mpilab's or the engine's, nor a generated one (a
+    dataclass's `__init__`, file "<string>") that called straight into them."""
+    frames = traceback.extract_tb(tb)
+    hidden = [_is_hidden(f.filename) for f in frames]
+    return [f for i, f in enumerate(frames) if not hidden[i] and not (
+        f.filename == "<string>" and i + 1 < len(frames) and hidden[i + 1])]
 
 
 def _exception_lines(shell, etype, value, tb, seen: set[int]) -> list[str]:
