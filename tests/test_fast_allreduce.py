@@ -404,3 +404,15 @@ def test_run_bench_rows_follow_nccl_tests():
             assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * factor[op])
         (nccl,) = [r for r in rows if r["backend"] == "nccl"]
         assert nccl["note"].startswith("skipped") and nccl["time_s"] is None
+
+
+def test_run_bench_on_three_ranks_at_a_size_three_does_not_divide():
+    """`%mpilab bench` on 3 ranks: 4 KiB is 1,024 floats, which no 3 ranks share evenly
+    (the allreduce's and broadcast's buffer was once shaped [3, -1] and failed)."""
+    code = ("from mpilab.rank import bench\n"
+            "report_in_turn({op: bench.run_bench(op, [4096], ['mpilab', 'mpilab-internal', "
+            "'mpi', 'gloo'], repeats=1) for op in ('allreduce', 'broadcast', 'allgather')})\n")
+    rows = run_ranks(IN_TURN + code, n=3)[0]
+    for op, size in (("allreduce", 4096), ("broadcast", 4096), ("allgather", 4092)):
+        assert [(r["backend"], r["size_bytes"]) for r in rows[op] if r["time_s"]] == [
+            (b, size) for b in ("mpilab", "mpilab-internal", "mpi", "gloo")], rows[op]

@@ -382,10 +382,12 @@ def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray], comm,
             "broadcast": lambda: comm.Bcast(send, root=0),
             "allgather": lambda: comm.Allgather(send, recv),
         }[op]
+    # an allgather's output is [n, part]; the others' one buffer holds any count
+    t_send = torch.from_numpy(send)
+    t_recv = torch.from_numpy(recv).view(n, -1) if op == "allgather" else t_send
     if backend == "mpilab":  # what a user calls (allgather into a buffer, as the others)
         from . import collectives
 
-        t_send, t_recv = torch.from_numpy(send), torch.from_numpy(recv).view(n, -1)
         return {
             "allreduce": lambda: collectives.allreduce(t_send),
             "broadcast": lambda: collectives.broadcast(t_send, root=0),
@@ -396,7 +398,6 @@ def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray], comm,
     if backend == "mpilab-internal":  # what the public call runs, from the tensor's plan
         from . import collectives
 
-        t_send, t_recv = torch.from_numpy(send), torch.from_numpy(recv).view(n, -1)
         # the tensors go with each function (a default argument): the plan's views do
         # not own their memory, which would be freed with the last tensor
         tensors = (t_send, t_recv)
@@ -414,8 +415,7 @@ def _step(op: str, backend: str, buffers: tuple[np.ndarray, np.ndarray], comm,
 
     device = "cuda" if backend == "nccl" else "cpu"
     group = _gloo() if backend == "gloo" else None
-    t_send = torch.from_numpy(send).to(device)
-    t_recv = torch.from_numpy(recv).to(device)
+    t_send, t_recv = t_send.to(device), torch.from_numpy(recv).to(device)
 
     def sync() -> None:
         if device == "cuda":
