@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -327,6 +328,12 @@ class RankCluster:
             scripts = Path(cluster.profile_dir) / "log"
             scripts.mkdir(parents=True, exist_ok=True)
             slurm.batch_file_name = str(scripts / f"mpilab-{cluster.cluster_id}.sbatch")
+            # sbatch's error goes into the start's line, not past it onto the cell's
+            # stderr: submitted with its stderr on its stdout, and the job's number
+            # read from its own sentence (a warning line may hold other numbers)
+            slurm.submit_command = ["sh", "-c", 'exec sbatch "$@" 2>&1', "sbatch"]
+            slurm.job_id_regexp = r"Submitted batch job (\d+)"
+            slurm.job_id_regexp_group = 1
         else:
             cluster.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
             if placement.in_allocation():
@@ -375,13 +382,19 @@ class RankCluster:
             self._launched += [p for p in _launched_processes(cluster) if p not in held]
 
     def _launcher_ended(self) -> str | None:
-        """Why the engines' launcher is gone before they all registered (None: it runs)."""
+        """Why the engines' launcher is gone before they all registered (None: it runs);
+        a Slurm job that no wait will start raises ClusterError."""
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
             job = getattr(engine_set, "job_id", None)
             if job:
-                state = placement.slurm_job_state(job)
-                if state is None or state in placement.SLURM_END_STATES:
-                    return f"the Slurm job {job} ended ({state or 'gone'})"
+                state = placement.slurm_job_state(job, with_reason=True)
+                ended = state.partition(" ")[0] if state else None
+                if ended is None or ended in placement.SLURM_END_STATES:
+                    return f"the Slurm job {job} ended ({ended or 'gone'})"
+                instead = placement.never_starts(state)
+                if instead:  # nothing the ranks said: Slurm's reason is the whole story
+                    raise ClusterError(f"the Slurm job {job} will not start: it asks for "
+                                       f"{instead} (squeue: {state})")
                 continue
             process = getattr(engine_set, "process", None)
             if process is not None and not process.is_running():
@@ -417,6 +430,9 @@ class RankCluster:
         srun's, an engine's), then where the launcher's whole output is."""
         output = self.engine_output(lines=None)
         what = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if isinstance(error, subprocess.CalledProcessError) and "sbatch" in error.cmd:
+            what = f"sbatch exited with code {error.returncode}"
+            output = (error.output or b"").decode(errors="replace") + output
         msg = f"the ranks did not start ({what})"
         cause = self._what_hosts_lack(output) or telling_line(output)
         if cause:

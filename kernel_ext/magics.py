@@ -48,6 +48,21 @@ def _parse(func, line: str):
         raise UsageError(f"could not parse {line!r}; see `%mpilab help`") from None
 
 
+def _with_sbatch_hint(message: str, line: str) -> str:
+    """A start with --launcher slurm that names an option of sbatch's that mpilab does not
+    (--mem, --exclusive): the message says how to pass it."""
+    unknown = message.partition("unrecognized arguments: ")[2].split()
+    words = line.replace("=", " ").split()
+    if not unknown or not unknown[0].startswith("--") or "slurm" not in words or \
+            words[words.index("slurm") - 1] != "--launcher":
+        return message
+    option = unknown[0]
+    if len(unknown) > 1 and not unknown[1].startswith("-"):
+        option += f"={unknown[1]}"
+    return (f"{message}: pass sbatch's other options as sbatch spells them, "
+            f"--sbatch-option={option}")
+
+
 def _asks_help(line: str) -> bool:
     """`-h` or `--help` anywhere among the words (no option takes such a value)."""
     return any(word in HELP_FLAGS for word in line.split())
@@ -148,7 +163,7 @@ class MpilabMagics(Magics):
     @argument("--account", default=None, metavar="NAME", help="Slurm account")
     @argument("--nodes", default=None, metavar="N",
               help="Slurm nodes (a count or min-max)")
-    @argument("--tasks-per-node", type=int, default=None, metavar="N",
+    @argument("--tasks-per-node", "--ntasks-per-node", type=int, default=None, metavar="N",
               help="Slurm tasks (ranks) per node")
     @argument("--gpus-per-node", default=None, metavar="N",
               help="Slurm GPUs per node (a count or type:count)")
@@ -170,7 +185,10 @@ class MpilabMagics(Magics):
         every one finished its bootstrap: MPI, node-local rank, device, torch.distributed."""
 
     def _start(self, rest: str):
-        args = _parse(self._start_args, rest)
+        try:
+            args = _parse(self._start_args, rest)
+        except UsageError as e:
+            raise UsageError(_with_sbatch_hint(str(e), rest)) from None
         slurm = SlurmSettings(partition=args.partition, time=args.time, account=args.account,
                               nodes=args.nodes, tasks_per_node=args.tasks_per_node,
                               gpus_per_node=args.gpus_per_node,

@@ -140,6 +140,24 @@ def slurm_job_ended(output: str) -> str | None:
 SLURM_END_STATES = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
                     "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 SLURM_CANCEL_WAIT_S = 15.0
+# the reasons squeue gives for a pending job that no wait will start, as the job was
+# asked (sbatch takes such a job when the site does not set EnforcePartLimits), with
+# what to ask instead
+SLURM_NEVER_STARTS = {
+    "PartitionNodeLimit": "more nodes than the partition allows (or its nodes are down): "
+                          "ask for fewer with --nodes, or another --partition",
+    "PartitionTimeLimit": "a longer --time than the partition allows: ask for less",
+    "BadConstraints": "no node has what the job asks for (features, memory, GPUs): ask "
+                      "for less, or another --partition",
+    "InvalidAccount": "an account you may not use: check --account",
+    "InvalidQOS": "a QOS you may not use: check the --qos you pass",
+    "QOSMaxNodePerJobLimit": "more nodes than your QOS allows a job: ask for fewer",
+    "QOSMaxWallDurationPerJobLimit": "a longer --time than your QOS allows: ask for less",
+    "AssocMaxNodesPerJobLimit": "more nodes than your account allows a job: ask for fewer",
+    "AssocMaxWallDurationPerJobLimit": "a longer --time than your account allows: ask "
+                                       "for less",
+    "AssocMaxCpuPerJobLimit": "more CPUs than your account allows a job: ask for fewer",
+}
 
 
 def _squeue(job: str, fmt: str, steps: bool = False) -> str | None:
@@ -160,6 +178,14 @@ def _squeue(job: str, fmt: str, steps: bool = False) -> str | None:
 def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
     """squeue's state of a job ('RUNNING', 'PENDING (Resources)'); None once it is gone."""
     return _squeue(job, "%T (%r)" if with_reason else "%T")
+
+
+def never_starts(state: str | None) -> str | None:
+    """What to ask instead, for a job whose squeue state ('PENDING (PartitionNodeLimit)',
+    slurm_job_state with_reason) no wait will change; None for any other."""
+    if not state or not state.startswith("PENDING ("):
+        return None
+    return SLURM_NEVER_STARTS.get(state.removeprefix("PENDING (").rstrip(")"))
 
 
 def slurm_job_nodes(job: str) -> int | None:

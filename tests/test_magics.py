@@ -22,6 +22,11 @@ from conftest import cluster_pids
     ("%mpilab start --launcher ssh", "not as one MPI job: use --launcher mpi --hostfile FILE"),
     ("%mpilab start -n x", "argument -n: invalid int value: 'x'"),
     ("%mpilab start --bogus", "unrecognized arguments: --bogus"),
+    ("%mpilab start -n 2 --launcher slurm --mem 64G", "unrecognized arguments: --mem 64G: pass "
+     "sbatch's other options as sbatch spells them, --sbatch-option=--mem=64G"),
+    ("%mpilab start --launcher=slurm --exclusive",
+     "unrecognized arguments: --exclusive: pass sbatch's other options as sbatch spells them, "
+     "--sbatch-option=--exclusive"),
     ("%mpilab frobnicate", "%mpilab has no subcommand 'frobnicate': one of start, stop"),
     ("%mpilab strat -n 2", "%mpilab has no subcommand 'strat' (did you mean start?)"),
     ("%mpilab", "%mpilab needs a subcommand: one of start, stop"),

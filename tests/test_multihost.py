@@ -804,6 +804,38 @@ def test_slurm_bad_partition_is_sbatch_s_line(slurm_kernel, emulated_cluster):
     assert emulated_cluster.squeue() == []
 
 
+@pytest.mark.parametrize("option, said", [
+    ("--time abc", "sbatch: error: Invalid --time specification"),
+    ("--sbatch-option=--mem=999999G", "sbatch: error: Memory specification can not be "
+                                      "satisfied"),
+])
+def test_slurm_an_option_sbatch_refuses_is_sbatch_s_line_once(slurm_kernel, emulated_cluster,
+                                                              option, said):
+    """sbatch's own error, in the start's one line; not also printed above it (it wrote
+    to the kernel's stderr), and not Python's words for a failed command."""
+    run = slurm_kernel.run(f"%mpilab start -n 2 --launcher slurm {option}", timeout=120)
+    assert not run.ok
+    assert re.fullmatch(r"UsageError: the ranks did not start \(sbatch exited with code \d+\): "
+                        + re.escape(said), run.text.strip()), run.text
+    assert emulated_cluster.squeue() == []
+
+
+def test_slurm_a_job_that_will_never_start_is_one_line_within_seconds(slurm_kernel,
+                                                                      emulated_cluster):
+    """sbatch takes a job that asks for more nodes than the partition has (as it does
+    where the site does not enforce the partition's limits at submission); it would pend
+    for good. The start says so within seconds, not after its --timeout, and cancels it."""
+    started = time.monotonic()
+    run = slurm_kernel.run("%mpilab start -n 3 --launcher slurm --nodes 3", timeout=120)
+    took = time.monotonic() - started
+    assert not run.ok and took < 20, (took, run.text)
+    assert re.fullmatch(r"UsageError: the Slurm job \d+ will not start: it asks for more nodes "
+                        r"than the partition allows \(or its nodes are down\): ask for fewer "
+                        r"with --nodes, or another --partition \(squeue: PENDING "
+                        r"\(PartitionNodeLimit\)\)", run.text.strip()), run.text
+    assert emulated_cluster.squeue() == []
+
+
 def test_slurm_controller_down_is_one_line(slurm_kernel, emulated_cluster, tmp_path):
     """slurmctld not answering (its port closed, as when it is down): Slurm's own words."""
     conf = emulated_cluster.slurm_conf.read_text().splitlines()

@@ -1218,3 +1218,13 @@ def test_sizes_are_written_as_bench_takes_them_and_memory_is_known():
     assert [size_text(n) for n in (512, 4096, 3 << 19, 64 << 20, 1 << 31)] == \
         ["512B", "4K", "1.5M", "64M", "2G"]
     assert 0 < available_memory() < 1 << 50  # Linux says, within any cgroup limit
+
+
+def test_a_pending_job_that_no_wait_starts_is_told_from_one_that_waits():
+    from mpilab.placement import never_starts
+
+    assert never_starts("PENDING (PartitionTimeLimit)") == (
+        "a longer --time than the partition allows: ask for less")
+    assert never_starts("PENDING (PartitionNodeLimit)").startswith("more nodes than the")
+    for waits in ("PENDING (Resources)", "PENDING (Priority)", "RUNNING (None)", "UNKNOWN", None):
+        assert never_starts(waits) is None
