@@ -19,7 +19,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,6 +133,9 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
 # reads the ranks' times on the notebook's clock (mpilab.rank_clocks), the user's code
 # there does not
 CLOCK_NOTE_S = 5.0
+# a start whose Slurm job has waited in the queue this long says so while it waits (a
+# job usually leaves the queue in a second or two)
+QUEUE_NOTE_AFTER_S = 3.0
 
 
 @dataclass
@@ -202,6 +205,10 @@ class RankCluster:
     _hostfile: str | None = None
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
+    # told, about once a second, why a start still waits (its Slurm job in the queue),
+    # and "" when it no longer does: a queue can hold a job for minutes
+    waiting: Callable[[str], None] | None = None
+    _queued: tuple[str, str] | None = None  # (job, squeue's state) while it pends
 
     @property
     def running(self) -> bool:
@@ -359,21 +366,34 @@ class RankCluster:
     def _wait_for_engines(self, client, n: int, timeout: float) -> None:
         """Until n engines registered; a launcher that ended first (ssh refused, a job
         that failed or was cancelled) is told at once, with what it said."""
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
+        deadline = began + timeout
         next_look = 0.0
-        while len(client.ids) < n:
-            now = time.monotonic()
-            if now > deadline:
-                raise ClusterError(self._start_failure(TimeoutError(
-                    f"{len(client.ids)} of {n} engines registered in {timeout:.0f} s"
-                    + self._job_state_note())))
-            if now >= next_look:
-                next_look = now + 1.0
-                self._hold_launched(self._ipp_cluster)
-                ended = self._launcher_ended()
-                if ended:
-                    raise ClusterError(self._start_failure(RuntimeError(ended)))
-            time.sleep(0.1)
+        told, self._queued = False, None
+        try:
+            while len(client.ids) < n:
+                now = time.monotonic()
+                if now > deadline:
+                    raise ClusterError(self._start_failure(TimeoutError(
+                        f"{len(client.ids)} of {n} engines registered in {timeout:.0f} s"
+                        + self._job_state_note())))
+                if now >= next_look:
+                    next_look = now + 1.0
+                    self._hold_launched(self._ipp_cluster)
+                    ended = self._launcher_ended()
+                    if ended:
+                        raise ClusterError(self._start_failure(RuntimeError(ended)))
+                    if self._queued and self.waiting and now - began >= QUEUE_NOTE_AFTER_S:
+                        job, state = self._queued
+                        self.waiting(f"mpilab: the Slurm job {job} waits in the queue "
+                                     f"({state.removeprefix('PENDING ').strip('()')}): "
+                                     f"{now - began:.0f} s of the start's {timeout:.0f} s "
+                                     "(--timeout)")
+                        told = True
+                time.sleep(0.1)
+        finally:
+            if told:
+                self.waiting("")
 
     def _hold_launched(self, cluster) -> None:
         """Add what runs below `cluster`'s launchers now to what the start launched."""
@@ -395,6 +415,7 @@ class RankCluster:
                 if instead:  # nothing the ranks said: Slurm's reason is the whole story
                     raise ClusterError(f"the Slurm job {job} will not start: it asks for "
                                        f"{instead} (squeue: {state})")
+                self._queued = (job, state) if ended == "PENDING" else None
                 continue
             process = getattr(engine_set, "process", None)
             if process is not None and not process.is_running():
@@ -422,6 +443,9 @@ class RankCluster:
             job = getattr(engine_set, "job_id", None)
             if job:
                 state = placement.slurm_job_state(job, with_reason=True)
+                if state and state.startswith("PENDING"):
+                    return (f"; the Slurm job {job} is still in the queue, {state}: a longer "
+                            "--timeout waits for it")
                 return f"; the Slurm job {job} is {state or 'gone'}"
         return ""
 

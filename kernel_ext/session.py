@@ -5,8 +5,9 @@ The magics call this; plain Python can too (``Session.instance().start(ClusterCo
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +21,7 @@ from .cluster import (
     engine_alive,
     interrupts_held,
 )
+from .live import TextInPlace
 from .placement import slurm_job_ended
 from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
@@ -63,7 +65,8 @@ class Session:
             )
         self.cluster.config = config
         warm = _warm_widgets(config.n)  # while the ranks start (they take seconds)
-        report = self.cluster.start()
+        with self._waiting_shown():
+            report = self.cluster.start()
         self._started_once = True
         warm.join(WARM_WIDGETS_WAIT_S)
         if self.cluster.world_size != config.n:  # a Slurm job may size it otherwise
@@ -81,7 +84,19 @@ class Session:
     def restart(self) -> StartReport:
         if not self._started_once:
             raise ClusterError("nothing to restart: start ranks with `%mpilab start -n N`")
-        return self.cluster.restart()
+        with self._waiting_shown():
+            return self.cluster.restart()
+
+    @contextlib.contextmanager
+    def _waiting_shown(self) -> Iterator[None]:
+        """Why a start still waits (its Slurm job in the queue), in place under the cell
+        while it does."""
+        line = TextInPlace()
+        self.cluster.waiting = lambda text: line.show(text, 0, time.monotonic())
+        try:
+            yield
+        finally:
+            self.cluster.waiting = None
 
     def shutdown(self) -> None:
         """Kernel exit or extension unload: never leave ranks behind."""

@@ -18,6 +18,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -833,6 +834,32 @@ def test_slurm_a_job_that_will_never_start_is_one_line_within_seconds(slurm_kern
                         r"than the partition allows \(or its nodes are down\): ask for fewer "
                         r"with --nodes, or another --partition \(squeue: PENDING "
                         r"\(PartitionNodeLimit\)\)", run.text.strip()), run.text
+    assert emulated_cluster.squeue() == []
+
+
+def test_slurm_a_start_whose_job_waits_in_the_queue_says_so_while_it_waits(slurm_kernel,
+                                                                            emulated_cluster):
+    """Another job holds every node: the start's job waits in the queue, and the cell says
+    so, in place, while it does (a real queue can hold it for minutes); once it runs the
+    note is gone and the start line stands alone."""
+    with allocation(emulated_cluster) as (job, _):
+        threading.Timer(6.0, emulated_cluster.slurm_cmd, ("scancel", job),
+                        {"check": False}).start()
+        run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 60", timeout=120)
+    assert run.ok and re.fullmatch(r"mpilab: 2 ranks on node\d in Slurm job \d+ · .*",
+                                   run.text.strip()), run.text
+    notes = [o["content"]["data"].get("text/plain", "") for o in run.outputs
+             if o["type"] in ("display_data", "update_display_data")]
+    assert any(re.fullmatch(r"mpilab: the Slurm job \d+ waits in the queue \(Resources\): "
+                            r"\d+ s of the start's 60 s \(--timeout\)", note)
+               for note in notes), notes
+    assert notes[-1] == "", notes  # emptied once the job runs
+    assert slurm_kernel.run("%mpilab stop", timeout=120).ok
+    with allocation(emulated_cluster):  # and held past the start's --timeout
+        run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 5", timeout=120)
+    assert re.fullmatch(r"UsageError: the ranks did not start \(0 of 2 engines registered in "
+                        r"5 s; the Slurm job \d+ is still in the queue, PENDING \(Resources\): a "
+                        r"longer --timeout waits for it\)", run.text.strip()), run.text
     assert emulated_cluster.squeue() == []
 
 
