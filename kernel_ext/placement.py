@@ -427,10 +427,19 @@ def hostfile_hosts(path: str, n: int | None = None) -> list[str]:
         where = f"--hostfile {path}, line {number} ({line!r})"
         if "#" in line:
             raise ClusterError(f"{where}: mpiexec takes comments only on lines of their own")
-        host, colon, rest = line.split()[0].partition(":")
+        first, *options = line.split()
+        host, colon, rest = first.partition(":")
         slots = rest.split(":")[0]
         if not host or (colon and not (slots.isdigit() and int(slots) > 0)):
             raise ClusterError(f"{where}: give `host` or `host:slots`, slots a positive number")
+        for option in options:  # hydra takes one: ifhn=, the interface to reach it by
+            key = option.partition("=")[0]
+            if key in ("slots", "max_slots", "max-slots"):
+                raise ClusterError(f"{where}: that is Open MPI's form; mpiexec (MPICH's "
+                                   f"hydra) takes {host}:{option.partition('=')[2] or 'N'}")
+            if key != "ifhn":
+                raise ClusterError(f"{where}: mpiexec takes no {key!r} there (only "
+                                   "`ifhn=ADDRESS` after `host:slots`)")
         hosts.append(host)
         slots_of.append(int(slots) if slots else 1)
     if not hosts:

@@ -503,7 +503,11 @@ def test_hostfile_lines_mpiexec_would_reject_are_named(tmp_path):
     for line, fault in [("node1:2  # two", "mpiexec takes comments only on lines of their own"),
                         ("node1:abc", "give `host` or `host:slots`, slots a positive number"),
                         ("node1:0", "give `host` or `host:slots`, slots a positive number"),
-                        (":2", "give `host` or `host:slots`, slots a positive number")]:
+                        (":2", "give `host` or `host:slots`, slots a positive number"),
+                        ("node1 slots=2", "that is Open MPI's form; mpiexec (MPICH's hydra) "
+                                          "takes node1:2"),
+                        ("node1:2 cpus=4", "mpiexec takes no 'cpus' there (only "
+                                           "`ifhn=ADDRESS` after `host:slots`)")]:
         bad = tmp_path / "bad"
         bad.write_text(f"node0\n{line}\n")
         with pytest.raises(ClusterError) as told:
