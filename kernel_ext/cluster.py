@@ -461,6 +461,11 @@ class RankCluster:
         cause = self._what_hosts_lack(output) or telling_line(output)
         if cause:
             msg += f": {cause}"
+            given = self.config.controller_ip
+            if given and cause.startswith(lifeline.UNREACHABLE):
+                msg += (f" (the ranks' hosts do not reach --controller-ip {given}: give an "
+                        "address on the network they share, or leave it out to listen where "
+                        "the route towards them leaves this host)")
         elif output:
             msg += "; the engines said:\n" + "\n".join(output.splitlines()[-5:])
         if self.config.hostfile and placement.in_allocation() and _SRUN_NO_STEP.search(output):

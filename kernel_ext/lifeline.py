@@ -23,6 +23,8 @@ ENV = "MPILAB_LIFELINE"  # "IP:PORT", handed to every rank by the launcher's env
 BEAT_S = 1.0
 SILENCE_S = 10.0  # no byte for this long: the notebook is unreachable
 CONNECT_S = 15.0  # how long a holder tries to reach the notebook at start
+# how a rank's host says it cannot reach the notebook (a start's line quotes it)
+UNREACHABLE = "cannot reach the notebook at"
 
 
 class Lifeline:
@@ -115,7 +117,7 @@ def hold(address: str | None = None, connect_s: float = CONNECT_S) -> Holder | N
             return Holder(sock)
         except OSError as e:
             if time.monotonic() > deadline:
-                raise LifelineLost(f"cannot reach the notebook at {address}: {e}") from None
+                raise LifelineLost(f"{UNREACHABLE} {address}: {e}") from None
             time.sleep(0.25)
 
 

@@ -364,8 +364,10 @@ def local_addresses() -> set[str]:
             for a in addresses}
 
 
-def _choices() -> str:
-    return ", ".join(sorted(a for a in local_addresses() if "." in a))
+def _choices(remote: bool = False) -> str:
+    """This host's IPv4 addresses; `remote`: those another host may reach (no loopback)."""
+    return ", ".join(sorted(a for a in local_addresses() if "." in a and not (
+        remote and ipaddress.ip_address(a).is_loopback)))
 
 
 def batch_nodefile(launcher: str, hostfile: str | None) -> str | None:
@@ -560,13 +562,13 @@ def place(launcher: str, hostfile: str | None, controller_ip: str | None,
     if controller_ip is not None:
         if ipaddress.ip_address(controller_ip).is_loopback:
             raise ClusterError(f"--controller-ip {controller_ip}: the ranks on {first} cannot "
-                               f"reach this host's loopback; give one of {_choices()}")
+                               f"reach this host's loopback; give one of {_choices(remote=True)}")
         return Placement(controller_ip, remote=True, first_host=first)
     source = route_source(address) if address else None
     if source is None or ipaddress.ip_address(source).is_loopback:
         why = "does not resolve here" if address is None else f"({address}) has no route here"
         raise ClusterError(f"cannot tell which address of this host {first} reaches: it "
-                           f"{why}; give --controller-ip, one of {_choices()}")
+                           f"{why}; give --controller-ip, one of {_choices(remote=True)}")
     return Placement(source, remote=True, first_host=first)
 
 

@@ -1232,3 +1232,17 @@ def test_a_pending_job_that_no_wait_starts_is_told_from_one_that_waits():
     assert never_starts("PENDING (PartitionNodeLimit)").startswith("more nodes than the")
     for waits in ("PENDING (Resources)", "PENDING (Priority)", "RUNNING (None)", "UNKNOWN", None):
         assert never_starts(waits) is None
+
+
+def test_a_controller_ip_the_ranks_hosts_do_not_reach_is_named_in_the_start_line(monkeypatch):
+    from mpilab.cluster import ClusterConfig, RankCluster
+
+    cluster = RankCluster(config=ClusterConfig(n=2, controller_ip="192.0.2.2"))
+    monkeypatch.setattr(cluster, "engine_output", lambda lines=15: (
+        "mpilab-engine-exit host=node1 pid=- did not start: cannot reach the notebook at "
+        "192.0.2.2:4000: [Errno 101] Network is unreachable\n"))
+    assert cluster._start_failure(RuntimeError("mpiexec exited")) == (
+        "the ranks did not start (mpiexec exited): cannot reach the notebook at "
+        "192.0.2.2:4000: [Errno 101] Network is unreachable (the ranks' hosts do not reach "
+        "--controller-ip 192.0.2.2: give an address on the network they share, or leave it "
+        "out to listen where the route towards them leaves this host)")
