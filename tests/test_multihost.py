@@ -826,15 +826,32 @@ def test_slurm_a_job_that_will_never_start_is_one_line_within_seconds(slurm_kern
     """sbatch takes a job that asks for more nodes than the partition has (as it does
     where the site does not enforce the partition's limits at submission); it would pend
     for good. The start says so within seconds, not after its --timeout, and cancels it."""
+    more = len(emulated_cluster.names) + 1
     started = time.monotonic()
-    run = slurm_kernel.run("%mpilab start -n 3 --launcher slurm --nodes 3", timeout=120)
-    took = time.monotonic() - started
-    assert not run.ok and took < 20, (took, run.text)
-    assert re.fullmatch(r"UsageError: the Slurm job \d+ will not start: it asks for more nodes "
-                        r"than the partition allows \(or its nodes are down\): ask for fewer "
-                        r"with --nodes, or another --partition \(squeue: PENDING "
-                        r"\(PartitionNodeLimit\)\)", run.text.strip()), run.text
-    assert emulated_cluster.squeue() == []
+    try:
+        run = slurm_kernel.run(f"%mpilab start -n {more} --launcher slurm --nodes {more}",
+                               timeout=120)
+        took = time.monotonic() - started
+        assert not run.ok and took < 20, (took, run.text)
+        assert re.fullmatch(r"UsageError: the Slurm job \d+ will not start: it asks for more "
+                            r"nodes than the partition allows \(or its nodes are down\): ask "
+                            r"for fewer with --nodes, or another --partition \(squeue: PENDING "
+                            r"\(PartitionNodeLimit\)\)", run.text.strip()), run.text
+        assert emulated_cluster.squeue() == []
+    finally:
+        slurm_kernel.run("%mpilab stop", timeout=120)
+
+
+@contextlib.contextmanager
+def every_node_held(cluster) -> Iterator[str]:
+    """Another user's job on every node of the partition, while the block runs: its id."""
+    out = cluster.slurm_cmd("salloc", "--no-shell", "-N", str(len(cluster.names)),
+                            "--exclusive", "-t", "10").stderr
+    job = next(w for w in out.split() if w.isdigit())
+    try:
+        yield job
+    finally:
+        cluster.slurm_cmd("scancel", job, check=False)
 
 
 def test_slurm_a_start_whose_job_waits_in_the_queue_says_so_while_it_waits(slurm_kernel,
@@ -842,20 +859,23 @@ def test_slurm_a_start_whose_job_waits_in_the_queue_says_so_while_it_waits(slurm
     """Another job holds every node: the start's job waits in the queue, and the cell says
     so, in place, while it does (a real queue can hold it for minutes); once it runs the
     note is gone and the start line stands alone."""
-    with allocation(emulated_cluster) as (job, _):
-        threading.Timer(6.0, emulated_cluster.slurm_cmd, ("scancel", job),
-                        {"check": False}).start()
-        run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 60", timeout=120)
-    assert run.ok and re.fullmatch(r"mpilab: 2 ranks on node\d in Slurm job \d+ · .*",
-                                   run.text.strip()), run.text
+    try:
+        with every_node_held(emulated_cluster) as job:
+            threading.Timer(6.0, emulated_cluster.slurm_cmd, ("scancel", job),
+                            {"check": False}).start()
+            run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 60",
+                                   timeout=120)
+        assert run.ok and re.fullmatch(r"mpilab: 2 ranks on node\d in Slurm job \d+ · .*",
+                                       run.text.strip()), run.text
+    finally:
+        slurm_kernel.run("%mpilab stop", timeout=120)
     notes = [o["content"]["data"].get("text/plain", "") for o in run.outputs
              if o["type"] in ("display_data", "update_display_data")]
     assert any(re.fullmatch(r"mpilab: the Slurm job \d+ waits in the queue \(Resources\): "
                             r"\d+ s of the start's 60 s \(--timeout\)", note)
                for note in notes), notes
     assert notes[-1] == "", notes  # emptied once the job runs
-    assert slurm_kernel.run("%mpilab stop", timeout=120).ok
-    with allocation(emulated_cluster):  # and held past the start's --timeout
+    with every_node_held(emulated_cluster):  # and held past the start's --timeout
         run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 5", timeout=120)
     assert re.fullmatch(r"UsageError: the ranks did not start \(0 of 2 engines registered in "
                         r"5 s; the Slurm job \d+ is still in the queue, PENDING \(Resources\): a "
