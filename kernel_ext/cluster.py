@@ -133,8 +133,11 @@ def check_memory_here(n: int, elsewhere: str = "") -> None:
 # reads the ranks' times on the notebook's clock (mpilab.rank_clocks), the user's code
 # there does not
 CLOCK_NOTE_S = 5.0
-# a start whose Slurm job has waited in the queue this long says so while it waits (a
-# job usually leaves the queue in a second or two)
+# a start that takes this long says how far it got, in place under the cell, while it
+# goes on (a few ranks start in a few seconds; tens of ranks, or a thousand, take longer);
+# one whose Slurm job waits in the queue says so sooner (a job usually leaves the queue
+# in a second or two, and a queue can hold it for minutes)
+START_NOTE_AFTER_S = 10.0
 QUEUE_NOTE_AFTER_S = 3.0
 
 
@@ -205,10 +208,11 @@ class RankCluster:
     _hostfile: str | None = None
     # the paths every rank's host needs, asked of the hosts where a start fails
     _needed: list[host_check.Needed] = field(default_factory=list)
-    # told, about once a second, why a start still waits (its Slurm job in the queue),
-    # and "" when it no longer does: a queue can hold a job for minutes
+    # told, about once a second, how far a slow start got (START_NOTE_AFTER_S), or why
+    # it waits (QUEUE_NOTE_AFTER_S); the caller clears it when the start ends
     waiting: Callable[[str], None] | None = None
     _queued: tuple[str, str] | None = None  # (job, squeue's state) while it pends
+    _began = 0.0  # when the start began (time.monotonic)
 
     @property
     def running(self) -> bool:
@@ -248,6 +252,7 @@ class RankCluster:
         cfg = self.config
         cfg.validate()
         self.generation += 1
+        self._began = time.monotonic()
         into_allocation = placement.into_allocation(cfg.launcher, cfg.hostfile)
         mpiexec = find_mpiexec(cfg.mpiexec)  # a Slurm job's script runs it on the nodes too
         self._needed = host_check.needed(mpiexec)
@@ -366,34 +371,35 @@ class RankCluster:
     def _wait_for_engines(self, client, n: int, timeout: float) -> None:
         """Until n engines registered; a launcher that ended first (ssh refused, a job
         that failed or was cancelled) is told at once, with what it said."""
-        began = time.monotonic()
-        deadline = began + timeout
+        deadline = time.monotonic() + timeout
         next_look = 0.0
-        told, self._queued = False, None
-        try:
-            while len(client.ids) < n:
-                now = time.monotonic()
-                if now > deadline:
-                    raise ClusterError(self._start_failure(TimeoutError(
-                        f"{len(client.ids)} of {n} engines registered in {timeout:.0f} s"
-                        + self._job_state_note())))
-                if now >= next_look:
-                    next_look = now + 1.0
-                    self._hold_launched(self._ipp_cluster)
-                    ended = self._launcher_ended()
-                    if ended:
-                        raise ClusterError(self._start_failure(RuntimeError(ended)))
-                    if self._queued and self.waiting and now - began >= QUEUE_NOTE_AFTER_S:
-                        job, state = self._queued
-                        self.waiting(f"mpilab: the Slurm job {job} waits in the queue "
-                                     f"({state.removeprefix('PENDING ').strip('()')}): "
-                                     f"{now - began:.0f} s of the start's {timeout:.0f} s "
-                                     "(--timeout)")
-                        told = True
-                time.sleep(0.1)
-        finally:
-            if told:
-                self.waiting("")
+        self._queued = None
+        while len(client.ids) < n:
+            now = time.monotonic()
+            if now > deadline:
+                raise ClusterError(self._start_failure(TimeoutError(
+                    f"{len(client.ids)} of {n} engines registered in {timeout:.0f} s"
+                    + self._job_state_note())))
+            if now >= next_look:
+                next_look = now + 1.0
+                self._hold_launched(self._ipp_cluster)
+                ended = self._launcher_ended()
+                if ended:
+                    raise ClusterError(self._start_failure(RuntimeError(ended)))
+                waited = now - self._began
+                if self._queued and waited >= QUEUE_NOTE_AFTER_S:
+                    job, state = self._queued
+                    self._tell(f"the Slurm job {job} waits in the queue "
+                               f"({state.removeprefix('PENDING ').strip('()')}): "
+                               f"{waited:.0f} s of the start's {timeout:.0f} s (--timeout)")
+                elif waited >= START_NOTE_AFTER_S:
+                    self._tell(f"{len(client.ids)} of {n} ranks started, {waited:.0f} s")
+            time.sleep(0.1)
+
+    def _tell(self, note: str) -> None:
+        """How far the start got, to whoever watches it (`waiting`)."""
+        if self.waiting is not None:
+            self.waiting(f"mpilab: {note}")
 
     def _hold_launched(self, cluster) -> None:
         """Add what runs below `cluster`'s launchers now to what the start launched."""
@@ -402,8 +408,9 @@ class RankCluster:
             self._launched += [p for p in _launched_processes(cluster) if p not in held]
 
     def _launcher_ended(self) -> str | None:
-        """Why the engines' launcher is gone before they all registered (None: it runs);
-        a Slurm job that no wait will start raises ClusterError."""
+        """Why the engines' launcher is gone before they all registered (None: it runs).
+        A Slurm job that no wait will start raises ClusterError; one that waits in the
+        queue is kept in `_queued` for the start's note."""
         for engine_set in getattr(self._ipp_cluster, "engines", {}).values():
             job = getattr(engine_set, "job_id", None)
             if job:
@@ -538,10 +545,16 @@ class RankCluster:
         view = self._client[:]
         ar = view.apply_async(bootstrap, cfg.gpus, cfg.backend, self._receiver.address,
                               cfg.timeout, self.input_desk.address)
-        if not ar.wait(cfg.timeout):
-            results = self._client.results
-            raise ClusterError(bootstrap_timeout_line(
-                cfg.n, [results[m] for m in ar.msg_ids if m in results], cfg.timeout))
+        deadline = time.monotonic() + cfg.timeout
+        while not ar.wait(min(1.0, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                results = self._client.results
+                raise ClusterError(bootstrap_timeout_line(
+                    cfg.n, [results[m] for m in ar.msg_ids if m in results], cfg.timeout))
+            waited = time.monotonic() - self._began
+            if waited >= START_NOTE_AFTER_S:
+                self._tell(f"{cfg.n} ranks started, {ar.progress} through their bootstrap "
+                           f"(MPI, devices, torch.distributed), {waited:.0f} s")
         try:
             summaries = ar.get()
         except Exception as e:  # noqa: BLE001 - the ranks' own error, shortened

@@ -89,14 +89,15 @@ class Session:
 
     @contextlib.contextmanager
     def _waiting_shown(self) -> Iterator[None]:
-        """Why a start still waits (its Slurm job in the queue), in place under the cell
-        while it does."""
+        """How far a slow start got, or why it waits (its Slurm job in the queue), in
+        place under the cell while it goes on; emptied when it ends."""
         line = TextInPlace()
         self.cluster.waiting = lambda text: line.show(text, 0, time.monotonic())
         try:
             yield
         finally:
             self.cluster.waiting = None
+            line.show("", 0, time.monotonic())
 
     def shutdown(self) -> None:
         """Kernel exit or extension unload: never leave ranks behind."""

@@ -390,3 +390,24 @@ def test_ipyparallels_jupyterlab_panel_does_not_list_mpilabs_cluster(ranks):
     assert cluster_id, run.text
     listed = {c.cluster_id for c in ipp.ClusterManager().load_clusters().values()}
     assert cluster_id not in listed
+
+
+def test_a_slow_start_says_how_far_it_got_while_it_goes_on(fresh_kernel):
+    """Tens of ranks take longer than START_NOTE_AFTER_S to start: the cell says, in place,
+    how many have started and how many are through their bootstrap, and the line is gone
+    once they are ready. Set low here, so that 2 ranks show it."""
+    assert fresh_kernel.run("import mpilab.cluster\nmpilab.cluster.START_NOTE_AFTER_S = 0").ok
+    try:
+        run = fresh_kernel.run("%mpilab start -n 2", timeout=180)
+    finally:
+        fresh_kernel.run("mpilab.cluster.START_NOTE_AFTER_S = 10.0")
+        fresh_kernel.run("%mpilab stop", timeout=120)
+    assert run.ok and re.fullmatch(r"mpilab: 2 ranks on \S+ · .* · ready in [\d.]+ s",
+                                   run.text.strip()), run.text
+    notes = [o["content"]["data"].get("text/plain", "") for o in run.outputs
+             if o["type"] in ("display_data", "update_display_data")]
+    assert re.fullmatch(r"mpilab: [01] of 2 ranks started, \d+ s", notes[0]), notes
+    assert all(re.fullmatch(r"mpilab: ([012] of 2 ranks started|2 ranks started, [01] through "
+                            r"their bootstrap \(MPI, devices, torch\.distributed\)), \d+ s", note)
+               for note in notes[1:-1]), notes
+    assert notes[-1] == "", notes
