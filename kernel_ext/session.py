@@ -127,14 +127,15 @@ class Session:
     def push(self, values: dict) -> None:
         self.cluster.check_usable()
         ranks = list(range(self.cluster.world_size))
+        engines = self.cluster.engines(ranks)
         try:
-            view = self.cluster.client[self.cluster.engines(ranks)]
+            view = self.cluster.client[engines]
             self._answer(lambda: view.push(values, block=False), ranks, "push",
                          got="got the values")
         except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - what could not be sent, as one line
-            raise ClusterError(_push_failure(values, e)) from None
+            raise ClusterError(_push_failure(values, dict(zip(engines, ranks)), e)) from None
 
     def pull(self, name: str, rank: int | None = None):
         """One rank's value (`--rank R`), else a list ordered by rank."""
@@ -458,8 +459,10 @@ def bench_arguments(sizes: str, backends: str) -> tuple[list[int], list[str]]:
         raise ClusterError(str(e)) from None
 
 
-def _push_failure(values: dict, error: Exception) -> str:
-    """Which value could not be sent, and why (most often: it cannot be pickled)."""
+def _push_failure(values: dict, rank_of_engine: dict[int, int], error: Exception) -> str:
+    """Which value could not be sent, and why: it cannot be pickled here, or the ranks
+    cannot unpickle it (an object of a class defined in the notebook: pickle names the
+    class, which the ranks do not have)."""
     from ipyparallel.serialize import serialize_object
 
     for name, value in values.items():
@@ -468,16 +471,31 @@ def _push_failure(values: dict, error: Exception) -> str:
         except Exception as e:  # noqa: BLE001 - the first value that cannot be sent
             return (f"push: {name!r} cannot be sent to the ranks ({type(e).__name__}: {e}): "
                     "make it on the ranks in a %%ranks cell, or push what it is made of")
+    failures = _ranks_errors(rank_of_engine, error)
+    names = ", ".join(values)
+    if failures:
+        failed = sorted(failures)
+        ename, evalue = failures[failed[0]]
+        hint = ("; its class is defined in the notebook only: run that class's cell with "
+                "%%ranks too, or push plain data") if "__main__" in evalue else ""
+        return f"push: {names} could not be unpickled on {rank_label(failed)}: " \
+               f"{ename}: {evalue}{hint}"
     said = str(error).strip().splitlines()
-    return f"push: {', '.join(values)}: {said[0] if said else type(error).__name__}"
+    return f"push: {names}: {said[0] if said else type(error).__name__}"
+
+
+def _ranks_errors(rank_of_engine: dict[int, int], error: Exception) -> dict[int, tuple]:
+    """rank -> (error name, its message) of the ranks' own errors in an ipyparallel
+    CompositeError (none for what failed outside the ranks, an engine gone)."""
+    return {rank_of_engine[engine]: (ename, evalue)
+            for ename, evalue, _, info in getattr(error, "elist", [])
+            if (engine := (info or {}).get("engine_id")) in rank_of_engine}
 
 
 def _pull_failure(name: str, rank_of_engine: dict[int, int], error: Exception) -> str:
     """What went wrong on which ranks: a name defined by a cell run on some ranks only
     is missing on the others, which the user fixes with --rank."""
-    failures = {rank_of_engine[engine]: (ename, evalue)
-                for ename, evalue, _, info in getattr(error, "elist", [])
-                if (engine := (info or {}).get("engine_id")) in rank_of_engine}
+    failures = _ranks_errors(rank_of_engine, error)
     if not failures:  # not the ranks' own errors (an engine gone): what ipyparallel said
         said = str(error).strip().splitlines()
         return f"pull: {name!r}: {said[0] if said else type(error).__name__}"

@@ -501,6 +501,19 @@ def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(ranks):
             "'_thread.lock' object): make it on the ranks in a %%ranks cell, or push what it "
             "is made of") in run.text, run.text
     _assert_one_line_error(run)
+    # an object of a class defined in the notebook pickles here (by the class's name),
+    # and the ranks, which lack the class, cannot unpickle it: said, and what to do
+    run = ranks.run("class Settings:\n    lr = 0.1\nsettings = Settings()\n"
+                    "%mpilab push settings")
+    assert not run.ok
+    assert ("push: settings could not be unpickled on ranks 0-1: AttributeError: Can't get "
+            "attribute 'Settings' on <module '__main__'") in run.text, run.text
+    assert run.text.strip().endswith("its class is defined in the notebook only: run that "
+                                     "class's cell with %%ranks too, or push plain data"), run.text
+    _assert_one_line_error(run)
+    assert ranks.run("%%ranks\nclass Settings:\n    lr = 0.1").ok
+    assert ranks.run("%mpilab push settings").ok
+    assert "[ranks 0-1] 0.1" in ranks.run("%%ranks\nprint(settings.lr)").stdout
 
 
 @pytest.mark.parametrize("code, message", [
