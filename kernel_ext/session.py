@@ -63,6 +63,7 @@ class Session:
             raise ClusterError(
                 "ranks are already running: `%mpilab stop` or `%mpilab restart` first"
             )
+        config.validate()  # settings refused are not kept: a restart uses the last good ones
         self.cluster.config = config
         warm = _warm_widgets(config.n)  # while the ranks start (they take seconds)
         with self._waiting_shown():

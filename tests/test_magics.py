@@ -253,6 +253,15 @@ def test_an_error_mpilab_raises_shows_the_users_line_and_none_of_mpilabs(ranks):
     assert "<string>" not in err and "__init__" not in err, err
 
 
+def test_a_restart_after_a_refused_start_starts_the_last_settings_again(ranks):
+    """A start whose settings were refused is not what `%mpilab restart` starts again."""
+    assert ranks.run("%mpilab stop", timeout=120).ok
+    refused = ranks.run("%mpilab start -n 2 --launcher slurm --nodes x")
+    assert "--nodes 'x': give a number of nodes" in refused.text, refused.text
+    run = ranks.run("%mpilab restart", timeout=180)
+    assert run.ok and "mpilab: 2 ranks on" in run.stdout, run.text
+
+
 def test_same_error_on_all_ranks_shown_once(ranks):
     run = ranks.run("%%ranks\n1/0")
     assert not run.ok
