@@ -162,6 +162,7 @@ def cmd_run(args) -> int:
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from traitlets.config import Config
 
     source = Path(args.notebook)
     if not source.exists():
@@ -181,9 +182,14 @@ def cmd_run(args) -> int:
     def started(cell, cell_index: int) -> None:
         running[:] = [cell_index]
 
+    # the kernel on sockets in a folder of this run's own (ipc), not on TCP ports of the
+    # loopback: no other user may connect to it, and it prints no warning that its TCP
+    # is not encrypted. An absolute path: the kernel runs in the notebook's folder
+    sockets = tempfile.mkdtemp(prefix="mpilab-run-")
+    config = Config({"KernelManager": {"transport": "ipc", "ip": f"{sockets}/kernel"}})
     client = NotebookClient(nb, timeout=args.cell_timeout, kernel_name="python3",
                             extra_arguments=[f"--ext={KERNEL_NAME}"] if wants_mpilab else [],
-                            store_widget_state=False, on_cell_start=started,
+                            store_widget_state=False, on_cell_start=started, config=config,
                             resources={"metadata": {"path": str(source.parent.resolve())}})
     status = 0
     try:
@@ -203,6 +209,8 @@ def cmd_run(args) -> int:
                 if isinstance(e, CellTimeoutError) else "ended with its kernel's death")
         print(f"mpilab: {source.name}: a cell {what}{_cell_named(nb, running)}; the cells "
               "before it ran", file=sys.stderr)
+    finally:
+        shutil.rmtree(sockets, ignore_errors=True)
     out = Path(args.output) if args.output else None
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,7 @@ def test_run_names_the_failed_cell_and_its_error_in_one_line(tmp_path):
                     "UsageError: Line magic function `%mpilab` not found: the notebook's "
                     "kernel does not load mpilab; put `%load_ext mpilab` first, or use the "
                     "Python (mpilab) kernel"], proc.stderr
+    assert proc.stderr.strip() == said[0], proc.stderr  # nothing more (TCP warnings and such)
     nb.cells[1].source = "raise KeyError('no such column')"
     nbformat.write(nb, tmp_path / "plain.ipynb")
     proc = subprocess.run([MPILAB, "run", str(tmp_path / "plain.ipynb")], capture_output=True,
