@@ -35,7 +35,7 @@ def save_metrics(store: MetricsStore, path: str | Path) -> Path:
             writer.writeheader()
             writer.writerows(rows)
     else:
-        raise ValueError(f"{path.name}: metrics are saved as .json or .csv")
+        raise ValueError(f"{path}: metrics are saved as .json or .csv")
     return path
 
 

@@ -536,6 +536,7 @@ def test_pull_of_a_name_set_on_some_ranks_says_where_it_is(ranks):
     ("%mpilab bench allreduce --sizes 4K --backends carrier-pigeon",
      "bench backend 'carrier-pigeon' is not one of"),
     ("%mpilab metrics --save run.txt", "metrics are saved as .json or .csv"),
+    ("%mpilab metrics --save /tmp", "UsageError: /tmp: metrics are saved as .json or .csv"),
     ("%mpilab metrics", "give --save FILE.json|FILE.csv, --clear, or both"),
     ("%mpilab trace --save trace.csv", "a trace is saved as .json"),
     ("%mpilab metrics --save /nonexistent/run.json",
