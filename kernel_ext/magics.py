@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import difflib
+import os
 import sys
 import textwrap
 import threading
@@ -153,7 +154,7 @@ class MpilabMagics(Magics):
     @argument("--launcher", default="mpi", metavar="LAUNCHER",
               help="mpi (mpiexec: in the Slurm allocation you are in, its nodes) | slurm "
                    "(a batch job, or the allocation you are in)")
-    @argument("--hostfile", default=None, metavar="FILE",
+    @argument("--hostfile", default=None, metavar="FILE", type=os.path.expanduser,
               help="hosts for mpiexec (it reaches them over ssh)")
     @argument("--controller-ip", default=None, metavar="IP",
               help="this host's address the ranks reach (default: loopback for ranks on this "
@@ -170,7 +171,7 @@ class MpilabMagics(Magics):
     @argument("--sbatch-option", action="append", default=[], metavar="OPTION",
               help="any other sbatch option, as sbatch spells it (repeat for more): "
                    "--sbatch-option=--qos=high")
-    @argument("--mpiexec", default=None, metavar="PATH",
+    @argument("--mpiexec", default=None, metavar="PATH", type=os.path.expanduser,
               help="the mpiexec to use (default: the one beside this Python, else PATH's)")
     @argument("--timeout", type=float, default=120.0, metavar="S",
               help="seconds to wait for the ranks to be ready (default 120)")
@@ -298,7 +299,8 @@ class MpilabMagics(Magics):
         self.session.show_dashboard()
 
     @magic_arguments(name="mpilab metrics")
-    @argument("--save", metavar="FILE", help="FILE.json or FILE.csv: the steps and logged "
+    @argument("--save", metavar="FILE", type=os.path.expanduser,
+              help="FILE.json or FILE.csv: the steps and logged "
               "scalars of every run since the ranks started")
     @argument("--clear", action="store_true",
               help="then forget them (and the spans): the next save holds only later runs")
@@ -317,7 +319,7 @@ class MpilabMagics(Magics):
             print("mpilab: metrics cleared")
 
     @magic_arguments(name="mpilab trace")
-    @argument("--save", required=True, metavar="FILE",
+    @argument("--save", required=True, metavar="FILE", type=os.path.expanduser,
               help="FILE.json: where to write it (Chrome trace format; Perfetto opens it)")
     def _trace_args(self, line):
         """Save the ranks' timing spans (forward, backward, each collective) as a Chrome

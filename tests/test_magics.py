@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import stat
 import threading
@@ -42,6 +43,8 @@ from conftest import cluster_pids
     ("%mpilab start --collective-timeout 0", "--collective-timeout must be positive, got 0.0"),
     ("%mpilab start --partition gpu", "--partition is a Slurm setting: add --launcher slurm"),
     ("%mpilab start --hostfile /nonexistent/hosts", "--hostfile /nonexistent/hosts: no such file"),
+    ("%mpilab start --hostfile ~/no-such-hosts",  # as a shell would, ~ is the home folder
+     f"--hostfile {os.path.expanduser('~/no-such-hosts')}: no such file"),
     # before any process is made: the OOM killer would pick the processes to end
     ("%mpilab start -n 100000", "-n 100000: 100000 ranks on this host take about 9765.6 GiB "
                                 "before any cell runs, and it has "),
