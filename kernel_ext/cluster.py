@@ -159,11 +159,36 @@ class StartReport:
         )
 
     def notes(self) -> list[str]:
-        """One line naming the hosts whose clocks are CLOCK_NOTE_S or more off from this
-        one's, if any (a thousand ranks' hosts read as one range)."""
+        """Lines under the start line: hosts whose CPU ranks outnumber their cores, and
+        hosts whose clocks are CLOCK_NOTE_S or more off from this one's (a thousand
+        ranks' hosts read as one range in each)."""
+        return [note for note in (self._crowded_note(), self._clock_note()) if note]
+
+    def _crowded_note(self) -> str:
+        """CPU ranks take turns on a host with fewer cores than ranks: each step waits for
+        the slowest, so more ranks there train slower, not faster."""
+        ranks: dict[str, int] = {}
+        cores: dict[str, int] = {}
+        for r in self.ranks:
+            if r["device"] == "cpu":
+                ranks[r["host"]] = ranks.get(r["host"], 0) + 1
+                cores[r["host"]] = r.get("cores", 1)
+        crowded = {host: (n, cores[host]) for host, n in ranks.items() if n > cores[host]}
+        if not crowded:
+            return ""
+        shapes = sorted(set(crowded.values()))
+        counts = (f"{shapes[0][0]} ranks on {shapes[0][1]} core{'s' * (shapes[0][1] > 1)}"
+                  if len(shapes) == 1 else "more ranks than cores")
+        runs = "runs" if len(crowded) == 1 else "each run"
+        fits = min(c for _, c in crowded.values())
+        return (f"mpilab: {host_list(crowded)} {runs} {counts}: the ranks take turns on the "
+                f"cores, so ranks past {fits} a host add no speed (fine for trying code, not "
+                "for timing it)")
+
+    def _clock_note(self) -> str:
         off = self.clocks_off
         if not off:
-            return []
+            return ""
         if len(off) == 1:
             (host, by), = off.items()
             whose = (f"{host}'s clock is {abs(by):.0f} s "
@@ -172,8 +197,8 @@ class StartReport:
             spread = sorted(abs(by) for by in off.values())
             whose = (f"the clocks of {host_list(off)} are {spread[0]:.0f}–{spread[-1]:.0f} s "
                      "off this host's")
-        return [f"mpilab: {whose} (no NTP there?): mpilab reads the ranks' times on this "
-                "clock, but the times your code reads there differ"]
+        return (f"mpilab: {whose} (no NTP there?): mpilab reads the ranks' times on this "
+                "clock, but the times your code reads there differ")
 
 
 @dataclass

@@ -107,6 +107,10 @@ def test_turned_off_each_engine_is_its_supervisors_child_where_ranks_outnumber_c
         assert kernel.run("%load_ext mpilab").ok
         started = kernel.run("%mpilab start -n 3", timeout=180)  # 3 ranks, 2 cores
         assert started.ok, started.text
+        # and the start says what that costs
+        assert " runs 3 ranks on 2 cores: the ranks take turns on the cores, so ranks past 2 " \
+            "a host add no speed (fine for trying code, not for timing it)" in started.stdout, \
+            started.text
         found = who(kernel)
         assert len({r["parent"] for r in found}) == 3, found
         assert all(r["command"] == ["-m", "mpilab.rank.supervisor"] for r in found), found

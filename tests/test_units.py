@@ -807,6 +807,20 @@ def test_many_hosts_are_named_in_ranges():
     notes = StartReport(ranks=ranks, seconds=42.0, clocks_off={"gpu007": -12.4}).notes()
     assert notes[0].startswith("mpilab: gpu007's clock is 12 s ahead of this host's (")
     assert StartReport(ranks=ranks, seconds=42.0).notes() == []
+    # CPU ranks that outnumber a host's cores: one line for the hosts that run too many
+    cpu = [{"host": f"cpu{r // 6 + 1:02d}", "device": "cpu", "backend": "gloo", "cores": 4}
+           for r in range(60)] + [{"host": "cpu11", "device": "cpu", "backend": "gloo",
+                                   "cores": 4}]
+    assert StartReport(ranks=cpu, seconds=9.0).notes() == [
+        "mpilab: 10 hosts: cpu[01-10] each run 6 ranks on 4 cores: the ranks take turns on "
+        "the cores, so ranks past 4 a host add no speed (fine for trying code, not for "
+        "timing it)"]
+    one = [{"host": "laptop", "device": "cpu", "backend": "gloo", "cores": 2}] * 3
+    assert StartReport(ranks=one, seconds=9.0).notes()[0].startswith(
+        "mpilab: laptop runs 3 ranks on 2 cores: ")
+    assert StartReport(ranks=one[:2], seconds=9.0).notes() == []
+    # a GPU a rank is what a GPU host is sized by; its cores are not counted
+    assert StartReport(ranks=[{**r, "cores": 1} for r in ranks[:8]], seconds=9.0).notes() == []
 
 
 def test_a_bootstrap_out_of_time_names_the_ranks_that_did_not_finish():

@@ -122,6 +122,7 @@ def init(
         comm=comm,
         node_comm=node_comm,
         torch_threads=threads,
+        cores=cores,
         endpoint=endpoint,
         store=store,
         store_address=store_address,
