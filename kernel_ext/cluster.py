@@ -388,6 +388,7 @@ class RankCluster:
         try:
             cluster.start_cluster_sync()
             client = cluster.connect_client_sync()
+            _bind_parallel_magics(client)
         except Exception as e:  # noqa: BLE001 - every start failure becomes one line + log
             raise ClusterError(self._start_failure(e)) from None
         self._client = client
@@ -887,6 +888,17 @@ _SRUN_NO_STEP = re.compile(r"^srun: error: Unable to create step for job ", re.M
 _NO_MPILAB = re.compile(r"No module named '?mpilab\b")
 _ANY_ERROR = re.compile(r"\b(error|Error|ERROR)\b")
 _NOT_STARTED = "did not start: "
+
+
+def _bind_parallel_magics(client) -> None:
+    """ipyparallel binds its magics (%px, %%px, %autopx) to the first client made in a
+    kernel only: after a restart they would run on the stopped ranks' closed client
+    ('Client cannot be used after its sockets have been closed'). They go to this one."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is not None and "px" in shell.magics_manager.magics["line"]:
+        client.activate()
 
 
 def said_by_a_tool(output: str) -> str | None:

@@ -263,6 +263,9 @@ def test_a_restart_after_a_refused_start_starts_the_last_settings_again(ranks):
     assert "--nodes 'x': give a number of nodes" in refused.text, refused.text
     run = ranks.run("%mpilab restart", timeout=180)
     assert run.ok and "mpilab: 2 ranks on" in run.stdout, run.text
+    # ipyparallel's %%px, bound to the first client only, follows the new ranks too
+    px = ranks.run("%%px\nprint(rank)")
+    assert px.ok and "[stdout:0] 0" in px.text, px.text
 
 
 def test_same_error_on_all_ranks_shown_once(ranks):
