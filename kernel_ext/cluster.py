@@ -166,14 +166,16 @@ class StartReport:
 
     def _crowded_note(self) -> str:
         """CPU ranks take turns on a host with fewer cores than ranks: each step waits for
-        the slowest, so more ranks there train slower, not faster."""
+        the slowest, so more ranks there train slower, not faster. A host's cores are
+        those its ranks may run on, together (each rank bound to its own, or all to all)."""
         ranks: dict[str, int] = {}
-        cores: dict[str, int] = {}
+        cpus: dict[str, set[int]] = {}
         for r in self.ranks:
             if r["device"] == "cpu":
                 ranks[r["host"]] = ranks.get(r["host"], 0) + 1
-                cores[r["host"]] = r.get("cores", 1)
-        crowded = {host: (n, cores[host]) for host, n in ranks.items() if n > cores[host]}
+                cpus.setdefault(r["host"], set()).update(r.get("cpus", ()))
+        crowded = {host: (n, max(1, len(cpus[host]))) for host, n in ranks.items()
+                   if n > len(cpus[host])}
         if not crowded:
             return ""
         shapes = sorted(set(crowded.values()))

@@ -808,19 +808,24 @@ def test_many_hosts_are_named_in_ranges():
     assert notes[0].startswith("mpilab: gpu007's clock is 12 s ahead of this host's (")
     assert StartReport(ranks=ranks, seconds=42.0).notes() == []
     # CPU ranks that outnumber a host's cores: one line for the hosts that run too many
-    cpu = [{"host": f"cpu{r // 6 + 1:02d}", "device": "cpu", "backend": "gloo", "cores": 4}
-           for r in range(60)] + [{"host": "cpu11", "device": "cpu", "backend": "gloo",
-                                   "cores": 4}]
+    cpu = [{"host": f"cpu{r // 6 + 1:02d}", "device": "cpu", "backend": "gloo",
+            "cpus": [0, 1, 2, 3]} for r in range(60)] + [
+        {"host": "cpu11", "device": "cpu", "backend": "gloo", "cpus": [0, 1, 2, 3]}]
     assert StartReport(ranks=cpu, seconds=9.0).notes() == [
         "mpilab: 10 hosts: cpu[01-10] each run 6 ranks on 4 cores: the ranks take turns on "
         "the cores, so ranks past 4 a host add no speed (fine for trying code, not for "
         "timing it)"]
-    one = [{"host": "laptop", "device": "cpu", "backend": "gloo", "cores": 2}] * 3
+    one = [{"host": "laptop", "device": "cpu", "backend": "gloo", "cpus": [0, 1]}] * 3
     assert StartReport(ranks=one, seconds=9.0).notes()[0].startswith(
         "mpilab: laptop runs 3 ranks on 2 cores: ")
     assert StartReport(ranks=one[:2], seconds=9.0).notes() == []
+    # ranks bound a core each (Slurm's task binding): the host's cores are theirs together
+    bound = [{"host": "n1", "device": "cpu", "backend": "gloo", "cpus": [c]} for c in range(4)]
+    assert StartReport(ranks=bound, seconds=9.0).notes() == []
+    assert "n1 runs 5 ranks on 4 cores" in StartReport(ranks=bound + bound[:1],
+                                                        seconds=9.0).notes()[0]
     # a GPU a rank is what a GPU host is sized by; its cores are not counted
-    assert StartReport(ranks=[{**r, "cores": 1} for r in ranks[:8]], seconds=9.0).notes() == []
+    assert StartReport(ranks=[{**r, "cpus": [0]} for r in ranks[:8]], seconds=9.0).notes() == []
 
 
 def test_a_bootstrap_out_of_time_names_the_ranks_that_did_not_finish():

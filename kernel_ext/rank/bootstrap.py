@@ -95,8 +95,8 @@ def init(
         collective_timeout = float(os.environ.get(COLLECTIVE_TIMEOUT_ENV)
                                    or DEFAULT_COLLECTIVE_TIMEOUT_S)
 
-    cores = _cores()
-    threads = max(1, cores // local_size)
+    cpus = _cpus()
+    threads = max(1, len(cpus) // local_size)
     torch.set_num_threads(threads)
 
     notebook = agent_address or os.environ.get("MPILAB_AGENT")
@@ -122,7 +122,7 @@ def init(
         comm=comm,
         node_comm=node_comm,
         torch_threads=threads,
-        cores=cores,
+        cpus=cpus,
         endpoint=endpoint,
         store=store,
         store_address=store_address,
@@ -225,11 +225,13 @@ def placement_error(gpu_ids: Sequence[str | None], backend: str,
             "MPI with --backend gloo")
 
 
-def _cores() -> int:
+def _cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on: its affinity (a Slurm or mpiexec binding, a
+    container's cpuset), else every CPU."""
     try:
-        return len(os.sched_getaffinity(0))
+        return tuple(sorted(os.sched_getaffinity(0)))
     except AttributeError:
-        return os.cpu_count() or 1
+        return tuple(range(os.cpu_count() or 1))
 
 
 def _pin_transports(endpoint: Endpoint) -> None:

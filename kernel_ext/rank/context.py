@@ -31,7 +31,7 @@ class RankContext:
     comm: Any  # mpi4py COMM_WORLD, for the user
     node_comm: Any  # ranks sharing this node (COMM_TYPE_SHARED)
     torch_threads: int
-    cores: int = 1  # the cores this process may run on (its CPU affinity)
+    cpus: tuple[int, ...] = ()  # the CPUs this process may run on (its affinity)
     endpoint: Endpoint | None = None  # where this rank listens for its peers
     store: Any = None  # torch.distributed's TCPStore of the default group (None: not ours)
     store_address: tuple[str, int] | None = None  # (address, port) of that store
@@ -47,7 +47,7 @@ class RankContext:
             "device": str(self.device),
             "backend": self.backend,
             "torch_threads": self.torch_threads,
-            "cores": self.cores,
+            "cpus": list(self.cpus),
         }
 
 
