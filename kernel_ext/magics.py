@@ -54,8 +54,8 @@ def _with_sbatch_hint(message: str, line: str) -> str:
     (--mem, --exclusive): the message says how to pass it."""
     unknown = message.partition("unrecognized arguments: ")[2].split()
     words = line.replace("=", " ").split()
-    if not unknown or not unknown[0].startswith("--") or "slurm" not in words or \
-            words[words.index("slurm") - 1] != "--launcher":
+    slurm = any(a == "--launcher" and b == "slurm" for a, b in zip(words, words[1:]))
+    if not unknown or not unknown[0].startswith("--") or not slurm:
         return message
     option = unknown[0]
     if len(unknown) > 1 and not unknown[1].startswith("-"):
