@@ -26,7 +26,7 @@ from .placement import slurm_job_ended
 from .runner import CellRunner, RanksError
 from .selection import parse_ranks, rank_label
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
-from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes
+from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes, size_text
 
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult
@@ -317,14 +317,14 @@ class Session:
         import uuid
 
         from IPython.display import display, update_display
-        from mpilab.widgets import bench_figure, bench_table, figure_bundle, human_bytes
+        from mpilab.widgets import bench_figure, bench_table, figure_bundle
 
         self.cluster.check_usable()  # before the progress line: no ranks, one line only
         started, shown = time.monotonic(), uuid.uuid4().hex
         total = len(bench_arguments(sizes, backends)[0])
 
         def progress_bundle(done: int, size: int | None) -> dict:
-            at = f", {human_bytes(size, 'B')} done" if size else ""
+            at = f", {size_text(size, 'B')} done" if size else ""
             text = (f"mpilab bench {op}: {done}/{total} message sizes{at} "
                     f"[{time.monotonic() - started:.0f} s]")
             bar = f"<progress value='{done}' max='{total}' style='width:30%'></progress> "

@@ -280,6 +280,18 @@ SIZES_HELP = ("message sizes: every power of two from:to, or sizes and ranges se
               "by commas")  # what parse_sizes reads, for the options that take it
 
 
+def size_text(n: float, suffix: str = "") -> str:
+    """4096 -> '4K', 1048576 -> '1M', 1536 -> '1.5K' (binary units, as --sizes takes
+    them); a size just under a unit, as 3 ranks' allgather of 1 MiB gathers (1048572),
+    is '1M'. Both sides write sizes with it: the ranks' bench lines, the notebook's tables."""
+    for unit in ("", "K", "M", "G", "T"):
+        if round(abs(n), 1) < 1024 or unit == "T":
+            text = f"{n:.1f}".rstrip("0").rstrip(".") if unit else f"{int(n)}"
+            return f"{text}{unit}{suffix}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def parse_sizes(spec: str) -> list[int]:
     """'4K:64M' → [4096, 8192, …, 64 MiB] (doubling); '1M' → [1048576]; a comma list of
     either ('4K,1M:4M') → the sizes of each, in order, each once. K/M/G are binary."""

@@ -1235,11 +1235,16 @@ def test_a_cell_with_a_top_level_await_is_told_apart(code, awaits):
 
 
 def test_sizes_are_written_as_bench_takes_them_and_memory_is_known():
-    from mpilab.rank.bench import size_text
     from mpilab.rank.memory import available_memory
+    from mpilab.wire import parse_sizes, size_text
 
-    assert [size_text(n) for n in (512, 4096, 3 << 19, 64 << 20, 1 << 31)] == \
-        ["512B", "4K", "1.5M", "64M", "2G"]
+    assert [size_text(n) for n in (512, 4096, 1536, 3 << 19, 64 << 20, 1 << 31, 3 << 30)] == \
+        ["512", "4K", "1.5K", "1.5M", "64M", "2G", "3G"]
+    assert size_text(4096, "B") == "4KB"
+    # just under a unit (3 ranks' allgather of 1 MiB gathers 1048572 bytes) is that unit
+    assert [size_text(n) for n in (4092, 1048572, 1023)] == ["4K", "1M", "1023"]
+    for n in (512, 4096, 64 << 20, 1 << 31):  # what it writes, --sizes reads back
+        assert parse_sizes(size_text(n)) == [n]
     assert 0 < available_memory() < 1 << 50  # Linux says, within any cgroup limit
 
 

@@ -19,7 +19,6 @@ from mpilab.widgets import (
     bench_table,
     downsample,
     figure_bundle,
-    human_bytes,
     status_text,
 )
 from mpilab.widgets.dashboard import (
@@ -149,13 +148,6 @@ def test_growing_series_keeps_a_bounded_history():
     assert np.array_equal(series.x, np.arange(7000 - series.n, 7000))
     x, y = series.downsampled()
     assert np.allclose(y, 1) and np.allclose(x, downsample(series.x, series.y, 100, 10)[0])
-
-
-def test_human_bytes():
-    assert [human_bytes(n) for n in (512, 4096, 1536, 1 << 20, 64 << 20, 3 << 30)] == [
-        "512", "4K", "1.5K", "1M", "64M", "3G"]
-    assert human_bytes(4096, "B") == "4KB"
-    assert [human_bytes(n) for n in (4092, 1048572, 1023)] == ["4K", "1M", "1023"]
 
 
 # -- dashboard ---------------------------------------------------------------------------

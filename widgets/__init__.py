@@ -18,7 +18,6 @@ _API = {
     "bench_table": ".bench",
     "figure_bundle": ".plotting",
     "downsample": ".plotting",
-    "human_bytes": ".plotting",
 }
 
 __all__ = sorted(_API)

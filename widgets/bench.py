@@ -9,9 +9,10 @@ that no intra-node backend can beat.
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from mpilab.wire import size_text
 from plotly.subplots import make_subplots
 
-from .plotting import human_bytes, rank_color
+from .plotting import rank_color
 
 MAX_TICKS = 10
 
@@ -45,7 +46,7 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None,
         mine = sorted((row for row in rows if row["backend"] == backend),
                       key=lambda row: row["size_bytes"])
         sizes = [row["size_bytes"] for row in mine]
-        hover = [f"{human_bytes(row['size_bytes'], 'B')}: {row['time_s'] * 1e6:,.1f} µs"
+        hover = [f"{size_text(row['size_bytes'], 'B')}: {row['time_s'] * 1e6:,.1f} µs"
                  for row in mine]
         for col, key in ((1, "algbw_GBps"), (2, "busbw_GBps")):
             fig.add_trace(go.Scatter(
@@ -65,7 +66,7 @@ def bench_figure(rows: list[dict], memcpy_gbps: float | None = None,
             ), row=1, col=col)
     ticks = ticks[::max(1, -(-len(ticks) // MAX_TICKS))]
     fig.update_xaxes(type="log", title_text="message size", tickvals=ticks,
-                     ticktext=[human_bytes(t) for t in ticks])
+                     ticktext=[size_text(t) for t in ticks])
     # log: small messages are latency-bound, 100× below the large ones
     fig.update_yaxes(type="log", dtick=1, exponentformat="none")  # 0.001, not 1m
     fig.update_yaxes(title_text="GB/s", row=1, col=1)
@@ -89,7 +90,7 @@ def bench_table(rows: list[dict], memcpy_gbps: float | None = None) -> str:
     header = ("op", "backend", "size", "time (µs)", "algbw (GB/s)", "busbw (GB/s)")
     order = {b: i for i, b in enumerate(_backends(rows))}
     body = [
-        (row["op"], row["backend"], human_bytes(row["size_bytes"]), f"{row['time_s'] * 1e6:,.1f}",
+        (row["op"], row["backend"], size_text(row["size_bytes"]), f"{row['time_s'] * 1e6:,.1f}",
          f"{row['algbw_GBps']:.3f}", f"{row['busbw_GBps']:.3f}")
         for row in sorted(rows, key=lambda r: (order[r["backend"]], r["op"], r["size_bytes"]))
     ]

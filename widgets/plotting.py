@@ -232,17 +232,6 @@ def _bucket_size(old: int, budget: int) -> int:
     return 1 << math.ceil(math.log2(old / budget))
 
 
-def human_bytes(n: float, suffix: str = "") -> str:
-    """4096 -> '4K', 1048576 -> '1M', 1536 -> '1.5K' (binary units, as in --sizes); a
-    size just under a unit, as 3 ranks' allgather of 1 MiB gathers (1048572), is '1M'."""
-    for unit in ("", "K", "M", "G", "T"):
-        if round(abs(n), 1) < 1024 or unit == "T":
-            text = f"{n:.1f}".rstrip("0").rstrip(".") if unit else f"{int(n)}"
-            return f"{text}{unit}{suffix}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 def figure_bundle(fig: go.Figure, text: str | None = None) -> dict:
     """A display bundle for a static figure that renders everywhere.
 

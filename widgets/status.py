@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 
 import anywidget
 import traitlets
+from mpilab.wire import size_text
 
-from .plotting import WIDGET_VIEW_MIME, human_bytes
+from .plotting import WIDGET_VIEW_MIME
 
 # the watchdog's bound for a rank it cannot see the process of (mpilab.watchdog's
 # DEAD_HEARTBEAT_S: heartbeats come every 0.5 s, 10 missed ones mean trouble)
@@ -152,9 +153,9 @@ def status_rows(rank_info: list[dict], store) -> list[dict[str, str]]:
         if hb is not None:
             row["host"], row["pid"] = hb["host"], str(hb["pid"])
             row["state"] = _state(hb)
-            row["RSS"] = human_bytes(hb["rss"], "B")
+            row["RSS"] = size_text(hb["rss"], "B")
             if hb.get("dev_mem"):
-                row["device mem"] = human_bytes(hb["dev_mem"], "B")
+                row["device mem"] = size_text(hb["dev_mem"], "B")
         if age is not None:
             row["heartbeat"] = f"{age:.1f} s ago"
             if age > LATE_AFTER_S:
@@ -258,8 +259,8 @@ def status_summary(rows: list[dict[str, str]], beats: dict[int, dict],
         if not sizes:
             continue
         typical = sizes[len(sizes) // 2][0]  # the median
-        out += [("most memory", r, f"{what} {human_bytes(size, 'B')}, "
-                                   f"median {human_bytes(typical, 'B')}")
+        out += [("most memory", r, f"{what} {size_text(size, 'B')}, "
+                                   f"median {size_text(typical, 'B')}")
                 for size, r in sizes[:OUTLIERS_NAMED] if size and size >= MEMORY_SHARE * typical]
     return summary
 

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..wire import BENCH_COLLECTIVES, BENCH_STOP_GRACE_S, check_backends
+from ..wire import BENCH_COLLECTIVES, BENCH_STOP_GRACE_S, check_backends, size_text
 from .context import context
 from .memory import available_memory
 from .waiting import poll, wait_interruptibly
@@ -147,14 +147,6 @@ def check_memory(op: str, sizes: list[int]) -> None:
             f"{size_text(largest)} messages need about {need / 2**30:.1f} GiB on {host} "
             f"({ctx.local_size} ranks, {BUFFERS_PER_RANK} buffers each), which has "
             f"{available / 2**30:.1f} GiB available: {hint}")
-
-
-def size_text(nbytes: int) -> str:
-    """4096 → '4K', as --sizes takes them (binary units)."""
-    for unit, factor in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if nbytes >= factor:
-            return f"{nbytes / factor:g}{unit}"
-    return f"{nbytes}B"
 
 
 def run_bench(op: str, sizes: list[int], backends: list[str], repeats: int = 20) -> list[dict]:
