@@ -174,8 +174,8 @@ class StartReport:
             if r["device"] == "cpu":
                 ranks[r["host"]] = ranks.get(r["host"], 0) + 1
                 cpus.setdefault(r["host"], set()).update(r.get("cpus", ()))
-        crowded = {host: (n, max(1, len(cpus[host]))) for host, n in ranks.items()
-                   if n > len(cpus[host])}
+        crowded = {host: (n, len(cpus[host])) for host, n in ranks.items()
+                   if cpus[host] and n > len(cpus[host])}
         if not crowded:
             return ""
         shapes = sorted(set(crowded.values()))
@@ -238,7 +238,7 @@ class RankCluster:
     # told, about once a second, how far a slow start got (START_NOTE_AFTER_S), or why
     # it waits (QUEUE_NOTE_AFTER_S); the caller clears it when the start ends
     waiting: Callable[[str], None] | None = None
-    _queued: tuple[str, str] | None = None  # (job, squeue's state) while it pends
+    _queued: tuple[str, str] | None = None  # (job, squeue's reason) while it pends
     _began = 0.0  # when the start began (time.monotonic)
 
     @property
@@ -416,9 +416,8 @@ class RankCluster:
                     raise ClusterError(self._start_failure(RuntimeError(ended)))
                 waited = now - self._began
                 if self._queued and waited >= QUEUE_NOTE_AFTER_S:
-                    job, state = self._queued
-                    self._tell(f"the Slurm job {job} waits in the queue "
-                               f"({state.removeprefix('PENDING ').strip('()')}): "
+                    job, reason = self._queued
+                    self._tell(f"the Slurm job {job} waits in the queue ({reason}): "
                                f"{waited:.0f} s of the start's {timeout:.0f} s (--timeout)")
                 elif waited >= START_NOTE_AFTER_S:
                     self._tell(f"{len(client.ids)} of {n} ranks started, {waited:.0f} s")
@@ -450,7 +449,8 @@ class RankCluster:
                 if instead:  # nothing the ranks said: Slurm's reason is the whole story
                     raise ClusterError(f"the Slurm job {job} will not start: it asks for "
                                        f"{instead} (squeue: {state})")
-                self._queued = (job, state) if ended == "PENDING" else None
+                reason = placement.pending_reason(state)
+                self._queued = (job, reason) if reason is not None else None
                 continue
             process = getattr(engine_set, "process", None)
             if process is not None and not process.is_running():
@@ -478,7 +478,7 @@ class RankCluster:
             job = getattr(engine_set, "job_id", None)
             if job:
                 state = placement.slurm_job_state(job, with_reason=True)
-                if state and state.startswith("PENDING"):
+                if placement.pending_reason(state) is not None:
                     return (f"; the Slurm job {job} is still in the queue, {state}: a longer "
                             "--timeout waits for it")
                 return f"; the Slurm job {job} is {state or 'gone'}"

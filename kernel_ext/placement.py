@@ -180,12 +180,18 @@ def slurm_job_state(job: str, with_reason: bool = False) -> str | None:
     return _squeue(job, "%T (%r)" if with_reason else "%T")
 
 
-def never_starts(state: str | None) -> str | None:
-    """What to ask instead, for a job whose squeue state ('PENDING (PartitionNodeLimit)',
-    slurm_job_state with_reason) no wait will change; None for any other."""
+def pending_reason(state: str | None) -> str | None:
+    """Why a pending job waits, from its squeue state with the reason (slurm_job_state
+    with_reason: 'PENDING (Resources)' -> 'Resources'); None for a job not pending."""
     if not state or not state.startswith("PENDING ("):
         return None
-    return SLURM_NEVER_STARTS.get(state.removeprefix("PENDING (").rstrip(")"))
+    return state.removeprefix("PENDING (").removesuffix(")")
+
+
+def never_starts(state: str | None) -> str | None:
+    """What to ask instead, for a job whose squeue state ('PENDING (PartitionNodeLimit)')
+    no wait will change; None for any other."""
+    return SLURM_NEVER_STARTS.get(pending_reason(state) or "")
 
 
 def slurm_job_nodes(job: str) -> int | None:

@@ -819,6 +819,9 @@ def test_many_hosts_are_named_in_ranges():
     assert StartReport(ranks=one, seconds=9.0).notes()[0].startswith(
         "mpilab: laptop runs 3 ranks on 2 cores: ")
     assert StartReport(ranks=one[:2], seconds=9.0).notes() == []
+    # ranks that did not say their CPUs (a summary without them) are not judged
+    assert StartReport(ranks=[{k: v for k, v in r.items() if k != "cpus"} for r in one],
+                       seconds=9.0).notes() == []
     # ranks bound a core each (Slurm's task binding): the host's cores are theirs together
     bound = [{"host": "n1", "device": "cpu", "backend": "gloo", "cpus": [c]} for c in range(4)]
     assert StartReport(ranks=bound, seconds=9.0).notes() == []
@@ -1256,6 +1259,10 @@ def test_a_pending_job_that_no_wait_starts_is_told_from_one_that_waits():
     assert never_starts("PENDING (PartitionNodeLimit)").startswith("more nodes than the")
     for waits in ("PENDING (Resources)", "PENDING (Priority)", "RUNNING (None)", "UNKNOWN", None):
         assert never_starts(waits) is None
+    from mpilab.placement import pending_reason
+
+    assert pending_reason("PENDING (Resources)") == "Resources"
+    assert pending_reason("RUNNING (None)") is pending_reason("UNKNOWN") is None
 
 
 def test_a_controller_ip_the_ranks_hosts_do_not_reach_is_named_in_the_start_line(monkeypatch):
