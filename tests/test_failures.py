@@ -13,6 +13,7 @@ import psutil
 import pytest
 from conftest import cluster_pids
 from kernel import Kernel
+from mpirun import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -247,6 +248,34 @@ def test_rank_exit_code_reported(nb):
     assert "quiet words" not in run.stdout
     assert "last lines from rank 0:" in run.error_text and "quiet words 0" in run.error_text
     assert nb.run("%mpilab restart", timeout=180).ok
+
+
+def test_a_batch_script_whose_rank_raises_ends_every_rank_at_once():
+    """`mpiexec -n 3 python train.py` with `mpilab.init()`: rank 1 raises (with a gloo
+    collective of its own in flight) while ranks 0 and 2 wait for it, in mpilab's
+    allreduce and in torch's. The job ends at once with the traceback and one line saying
+    why every rank ended; it hung until killed (rank 1 waited in MPI's finalization for
+    ranks that waited for it)."""
+    started = time.monotonic()
+    results, job = run_ranks("""
+import time, torch
+import torch.distributed as dist
+if ctx.rank == 1:
+    pending = dist.all_reduce(torch.ones(8), async_op=True)
+    raise RuntimeError("rank 1 cannot go on")
+t = torch.ones(8)
+if ctx.rank == 0:
+    mpilab.allreduce(t)
+else:
+    dist.all_reduce(t)
+report("got through")
+""", n=3, timeout=120, check=False)
+    took = time.monotonic() - started
+    assert job.returncode == 1, (job.returncode, job.stderr[-3000:])
+    assert results == [None, None, None]
+    assert "RuntimeError: rank 1 cannot go on" in job.stderr
+    assert "mpilab: rank 1 ended with RuntimeError: ending all 3 ranks" in job.stderr
+    assert took < 60, took  # mostly three torch imports on two cores
 
 
 def test_security_loopback_private_files_and_no_kill_by_name(nb):

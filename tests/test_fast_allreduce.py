@@ -408,13 +408,11 @@ def test_run_bench_rows_follow_nccl_tests():
 
 def test_run_bench_on_three_ranks_at_a_size_three_does_not_divide():
     """`%mpilab bench` on 3 ranks: 4 KiB is 1,024 floats, which no 3 ranks share evenly
-    (mpilab's buffers, as tensors, were once shaped [3, -1] for every op, and failed).
-    gloo's buffers were never shaped; it is left out here (a 3-rank job with a gloo bench
-    once ended with a C++ `terminate called without an active exception` on one rank)."""
+    (mpilab's buffers, as tensors, were once shaped [3, -1] for every op, and failed)."""
     code = ("from mpilab.rank import bench\n"
             "report_in_turn({op: bench.run_bench(op, [4096], ['mpilab', 'mpilab-internal', "
-            "'mpi'], repeats=1) for op in ('allreduce', 'broadcast', 'allgather')})\n")
+            "'mpi', 'gloo'], repeats=1) for op in ('allreduce', 'broadcast', 'allgather')})\n")
     rows = run_ranks(IN_TURN + code, n=3)[0]
     for op, size in (("allreduce", 4096), ("broadcast", 4096), ("allgather", 4092)):
         assert [(r["backend"], r["size_bytes"]) for r in rows[op] if r["time_s"]] == [
-            (b, size) for b in ("mpilab", "mpilab-internal", "mpi")], rows[op]
+            (b, size) for b in ("mpilab", "mpilab-internal", "mpi", "gloo")], rows[op]

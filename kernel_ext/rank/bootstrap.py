@@ -9,6 +9,7 @@ nothing they import imports the bootstrap.
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -110,6 +111,9 @@ def init(
         store, store_address = _init_process_group(
             dist, comm, chosen_backend, rank, world_size, endpoint, timeout,
             collective_timeout, device)
+    from .torch_group import release_at_exit
+
+    atexit.register(release_at_exit)
 
     ctx = RankContext(
         rank=rank,
@@ -137,6 +141,10 @@ def init(
     from .waiting import on_recover
 
     on_recover(_align_collective_numbers)
+    if notebook is None:  # a batch script: a rank that fails ends the job
+        from .script_end import end_every_rank_on_error
+
+        end_every_rank_on_error(comm, rank, world_size)
     return ctx
 
 

@@ -91,6 +91,15 @@ def install(ctx) -> None:
     _guard_spawn(ctx)
 
 
+def uninstall() -> None:
+    """torch's own init_process_group / destroy_process_group again, and no reference
+    kept to any group (at exit, so that destroying the groups frees them)."""
+    global _groups
+    groups, _groups = _groups, None
+    if groups is not None:
+        groups.unpatch()
+
+
 # -- notes ----------------------------------------------------------------------------
 
 _noted: set[tuple[int, str]] = set()
