@@ -15,11 +15,11 @@ MPIEXEC = str(VENV_BIN / "mpiexec")
 
 
 def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = None,
-              check: bool = True) -> list:
+              check: bool = True, init: str = "mpilab.init()") -> list:
     """Run `code` under `mpiexec -n n`; each rank may call `report(obj)` once.
 
     Returns the reported objects ordered by rank. The snippet starts with
-    `import mpilab; ctx = mpilab.init()` already done. Each rank reports into its own
+    `import mpilab; ctx = <init>` already done. Each rank reports into its own
     file: mpiexec interleaves lines that ranks print at the same moment.
     """
     results_dir = tempfile.mkdtemp(prefix="mpilab-ranks-")
@@ -27,7 +27,7 @@ def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = No
         f"""
         import json, sys
         import mpilab
-        ctx = mpilab.init()
+        ctx = {init}
         def report(obj):
             with open({results_dir!r} + f"/{{ctx.rank}}.json", "w") as f:
                 json.dump(obj, f)

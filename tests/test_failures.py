@@ -278,6 +278,17 @@ report("got through")
     assert took < 60, took  # mostly three torch imports on two cores
 
 
+def test_a_batch_script_whose_start_cannot_work_says_so_in_one_line():
+    """Bad input to mpilab.init() in a script: one line, said once, no traceback through
+    mpilab's code from every rank, and the job ends with status 1."""
+    _, job = run_ranks("", n=2, timeout=120, check=False, init="mpilab.init(gpus='7')")
+    assert job.returncode == 1, (job.returncode, job.stderr[-3000:])
+    said = [line for line in job.stderr.splitlines() if "mpilab" in line]
+    assert said == ["mpilab.init(): --gpus names GPU 7 but this node has none: use --gpus "
+                    "auto or none"], job.stderr
+    assert "Traceback" not in job.stderr
+
+
 def test_security_loopback_private_files_and_no_kill_by_name(nb):
     run = nb.run("from mpilab.session import Session\n_c = Session.instance().cluster\n"
                  "import json, os, stat\n"

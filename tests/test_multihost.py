@@ -705,6 +705,41 @@ def slurm_kernel(emulated_cluster, ssh_kernel):
     assert not emulated_cluster.squeue()
 
 
+WORLD = """
+import mpilab
+ctx = mpilab.init()
+print(f"rank {ctx.rank} of {ctx.world_size} on {ctx.host}", flush=True)
+"""
+
+
+def test_a_batch_script_under_srun_is_one_world_with_pmi2_and_one_line_without(
+        emulated_cluster, tmp_path):
+    """`srun -n 2 python train.py` in a job script: with a PMI plugin MPICH speaks
+    (`--mpi=pmi2`) the tasks are one world across the nodes; without one (Slurm's
+    default here) each task found itself a world of one and trained alone, silently.
+    That is one line now, said once, naming the commands that work."""
+    script = tmp_path / "world.py"
+    script.write_text(WORLD)
+    env = {**os.environ, **emulated_cluster.env()}
+
+    def srun(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["srun", *options, "-N", "2", "-n", "2", sys.executable,
+                               str(script)], env=env, capture_output=True, text=True,
+                              timeout=120)
+
+    apart = srun()
+    assert apart.returncode != 0, apart.stdout
+    said = [line for line in apart.stderr.splitlines() if "mpilab" in line]
+    assert said == ["mpilab.init(): srun started 2 tasks, but MPI sees each as a world of "
+                    "one (srun gave MPICH no PMI): run `srun --mpi=pmi2 …`, or `mpiexec -n "
+                    "2 python …` inside the job"], apart.stderr
+    assert "Traceback" not in apart.stderr and "of 1" not in apart.stdout
+    together = srun("--mpi=pmi2")
+    assert together.returncode == 0, together.stderr[-3000:]
+    assert sorted(together.stdout.split("\n"))[1:] == ["rank 0 of 2 on node1",
+                                                      "rank 1 of 2 on node2"]
+
+
 SLURM_START = ("%mpilab start -n 4 --launcher slurm --partition debug --time 10 --nodes 2 "
                "--tasks-per-node 2 --account research --sbatch-option=--comment=mpilab-test")
 

@@ -1277,3 +1277,30 @@ def test_a_controller_ip_the_ranks_hosts_do_not_reach_is_named_in_the_start_line
         "192.0.2.2:4000: [Errno 101] Network is unreachable (the ranks' hosts do not reach "
         "--controller-ip 192.0.2.2: give an address on the network they share, or leave it "
         "out to listen where the route towards them leaves this host)")
+
+
+@pytest.mark.parametrize("environ, says", [
+    ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"},
+     "srun started 4 tasks, but MPI sees each as a world of one (srun gave MPICH no PMI): "
+     "run `srun --mpi=pmi2 …`, or `mpiexec -n 4 python …` inside the job"),
+    ({"SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "1"}, None),  # srun's PMI: one task asked
+    ({"SLURM_STEP_NUM_TASKS": "1"}, None),
+    ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "1"},
+     "torchrun started 2 workers, but mpilab's ranks are MPI processes: start the script "
+     "with `mpiexec -n 2 python …` (it sets torchrun's environment for the script)"),
+    ({"TORCHELASTIC_RUN_ID": "mpilab", "WORLD_SIZE": "2"}, None),  # set by mpilab's ranks
+    ({"OMPI_COMM_WORLD_SIZE": "3"}, "Open MPI's mpirun started 3 processes"),
+    ({"SLURM_STEP_NUM_TASKS": "x", "WORLD_SIZE": "2"}, None),
+    ({}, None),
+])
+def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, says):
+    """`srun -n 4 python train.py` where srun gives MPICH no PMI, `torchrun`, or another
+    MPI's mpirun: each process is a world of one and would train alone."""
+    from mpilab.rank.batch import launched_apart, launcher_rank
+
+    line = launched_apart(1, environ)
+    assert line == says if says is None or says.endswith(("job", "script)")) \
+        else line.startswith(says)
+    assert launched_apart(2, environ) is None  # MPI's world is the launcher's
+    assert launcher_rank(environ) == (1 if "1" in (environ.get("SLURM_PROCID"),
+                                                   environ.get("RANK")) else 0)

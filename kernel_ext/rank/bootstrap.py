@@ -52,6 +52,9 @@ def choose_backend(requested: str, device_type: str) -> str:
     return requested
 
 
+_exit_registered: list[bool] = []  # release_at_exit, once per process
+
+
 def init(
     gpus: str | None = "auto",
     backend: str = "auto",
@@ -77,6 +80,19 @@ def init(
 
     comm = MPI.COMM_WORLD
     rank, world_size = comm.Get_rank(), comm.Get_size()
+    if not _exit_registered:
+        from .torch_group import release_at_exit
+
+        atexit.register(release_at_exit)
+        _exit_registered.append(True)
+    notebook = agent_address or os.environ.get("MPILAB_AGENT")
+    if notebook is None:  # a batch script: see batch.py
+        from . import batch
+
+        batch.install(comm, rank, world_size)  # its exit runs before release_at_exit
+        apart = batch.launched_apart(world_size)
+        if apart:
+            raise BootstrapError(apart)
     node_comm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
     local_rank, local_size = node_comm.Get_rank(), node_comm.Get_size()
     host = socket.gethostname()
@@ -100,7 +116,6 @@ def init(
     threads = max(1, len(cpus) // local_size)
     torch.set_num_threads(threads)
 
-    notebook = agent_address or os.environ.get("MPILAB_AGENT")
     try:
         endpoint = shared_endpoint(local_size, world_size, notebook)
     except OSError as e:
@@ -111,9 +126,6 @@ def init(
         store, store_address = _init_process_group(
             dist, comm, chosen_backend, rank, world_size, endpoint, timeout,
             collective_timeout, device)
-    from .torch_group import release_at_exit
-
-    atexit.register(release_at_exit)
 
     ctx = RankContext(
         rank=rank,
@@ -141,10 +153,6 @@ def init(
     from .waiting import on_recover
 
     on_recover(_align_collective_numbers)
-    if notebook is None:  # a batch script: a rank that fails ends the job
-        from .script_end import end_every_rank_on_error
-
-        end_every_rank_on_error(comm, rank, world_size)
     return ctx
 
 

@@ -1,0 +1,119 @@
+"""What ``mpilab.init()`` does for a batch script (under ``mpiexec``, no notebook).
+
+The notebook's ranks are engines: a cell's exception never reaches ``sys.excepthook``
+there, and the watchdog releases the peers. A script has neither, so:
+
+- **a rank that fails ends the job.** When an exception ends the script on one rank,
+  that rank would go on into MPI's finalization, which waits for every rank, while the
+  others wait for it in their next collective: the job would hang until its time limit,
+  the traceback long scrolled by. The rank prints its traceback, one line says that
+  every rank is being ended, and ``MPI_Abort`` ends them once Python has printed
+  everything (torchrun likewise stops the other workers when one fails, and ``python -m
+  mpi4py`` aborts).
+- **a start that cannot work is one line**, not a traceback through mpilab's code from
+  every rank: rank 0 says it (the others wait a moment, so that it is said once), then
+  the job ends as above.
+- **processes that MPI sees apart are named.** ``srun`` without a PMI plugin MPICH
+  speaks, ``torchrun``, or another MPI's ``mpirun`` start several processes that each
+  find themselves a world of one and would each train alone; that is refused with the
+  command that starts them as one world.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from .context import BootstrapError
+
+ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
+# How long a rank other than 0 waits before it says why the start failed: every rank
+# usually learns the same reason, and rank 0 ends the job as it says it.
+OTHERS_WAIT_S = 1.0
+
+_failed = [False]
+_installed: list[bool] = []
+
+
+def install(comm: Any, rank: int, world_size: int) -> None:
+    """The hook and the exit above, for this rank of `comm` (call once MPI is up and
+    before anything else can fail; once per process)."""
+    if _installed:
+        return
+    _installed.append(True)
+    previous = sys.excepthook
+
+    def excepthook(kind, value, tb) -> None:
+        _failed[0] = True
+        if isinstance(value, BootstrapError):
+            if world_size == 1 and launcher_rank() != 0:
+                return  # processes started apart: the launcher's rank 0 says it
+            if rank != 0 and world_size > 1:
+                time.sleep(OTHERS_WAIT_S)
+            print(f"mpilab.init(): {value}", file=sys.stderr, flush=True)
+            return
+        previous(kind, value, tb)  # the traceback, as the script would print it
+        if world_size > 1:
+            what = ("was interrupted" if issubclass(kind, KeyboardInterrupt)
+                    else f"ended with {kind.__name__}")
+            print(f"mpilab: rank {rank} {what}: ending all {world_size} ranks",
+                  file=sys.stderr, flush=True)
+
+    def end_every_rank() -> None:
+        # atexit: after the excepthook chain (torch.distributed's wraps this one and
+        # writes what it printed when it returns), before MPI's own finalization
+        if not _failed[0] or world_size < 2:
+            return
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - a closed stream has nothing to lose
+                pass
+        comm.Abort(ABORT_CODE)
+
+    sys.excepthook = excepthook
+    atexit.register(end_every_rank)
+
+
+def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:
+    """One line when a launcher started several processes that MPI sees as worlds of one
+    each; None when MPI's world is the launcher's (or there is no other launcher)."""
+    if world_size != 1 or environ.get("PMI_SIZE"):  # the PMI a launcher gave MPICH
+        return None
+    tasks = _count(environ.get("SLURM_STEP_NUM_TASKS"))
+    if tasks > 1:
+        return (f"srun started {tasks} tasks, but MPI sees each as a world of one (srun "
+                "gave MPICH no PMI): run `srun --mpi=pmi2 …`, or `mpiexec -n "
+                f"{tasks} python …` inside the job")
+    if environ.get("TORCHELASTIC_RUN_ID") not in (None, "mpilab"):
+        workers = _count(environ.get("WORLD_SIZE"))
+        if workers > 1:
+            return (f"torchrun started {workers} workers, but mpilab's ranks are MPI "
+                    f"processes: start the script with `mpiexec -n {workers} python …` "
+                    "(it sets torchrun's environment for the script)")
+    processes = _count(environ.get("OMPI_COMM_WORLD_SIZE"))
+    if processes > 1:
+        return (f"Open MPI's mpirun started {processes} processes, but this Python's MPI "
+                "is another, so each is a world of one: start the script with "
+                f"{os.path.join(sys.prefix, 'bin', 'mpiexec')} -n {processes}")
+    return None
+
+
+def launcher_rank(environ: Mapping[str, str] = os.environ) -> int:
+    """This process's rank among the launcher's (0 where none says)."""
+    for name in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK"):
+        value = _count(environ.get(name))
+        if value:
+            return value
+    return 0
+
+
+def _count(text: str | None) -> int:
+    try:
+        return int(text or 0)
+    except ValueError:
+        return 0
