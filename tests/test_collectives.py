@@ -3,6 +3,9 @@ tests/rank_scenarios/collectives.py and tensor_plans.py)."""
 
 from __future__ import annotations
 
+import re
+import time
+
 import pytest
 from mpilab.rank import bootstrap, collectives
 from mpirun import run_ranks
@@ -196,9 +199,41 @@ report(out)
 """
 
 
+# The ranks as the notebook's are: with a notebook to report to (nothing listens here),
+# whose watchdog releases a mismatch (the timer above stands in for it).
+AS_IN_THE_NOTEBOOK = {"MPILAB_AGENT": "tcp://127.0.0.1:9"}
+
+
 def test_ranks_in_different_collectives_wait_to_be_released() -> None:
-    for got in run_ranks(_MISMATCH, n=2):
+    for got in run_ranks(_MISMATCH, n=2, env=AS_IN_THE_NOTEBOOK):
         after = got.pop("after")
         assert after == [2.0, 2.0]
         for case, outcome in got.items():
             assert outcome == ["released", True], case
+
+
+def test_ranks_in_different_collectives_in_a_batch_script_end_the_job_saying_so() -> None:
+    """A batch script has no watchdog to release ranks in different collectives: the
+    collective raises at once, saying which two, and the job ends (it hung for good)."""
+    started = time.monotonic()
+    results, job = run_ranks("""
+import torch
+x = torch.ones(8)
+if ctx.rank == 0:
+    mpilab.allreduce(x)
+else:
+    mpilab.broadcast(x, root=0)
+report("completed")
+""", n=2, timeout=120, check=False)
+    assert job.returncode == 1 and results == [None, None], job.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    said = re.findall(r"RuntimeError: (mismatched collectives: .*)", job.stderr)
+    assert said and said[0] in (
+        "mismatched collectives: this rank is in an allreduce (sum) of 32 bytes, and its "
+        "node's rank 1 in a broadcast of 32 bytes from its node's rank 0 at the same point: "
+        "every rank must call the same collectives in the same order",
+        "mismatched collectives: this rank is in a broadcast of 32 bytes from its node's "
+        "rank 0, and its node's rank 0 in an allreduce (sum) of 32 bytes at the same point: "
+        "every rank must call the same collectives in the same order"), job.stderr
+    assert "ending all 2 ranks" in job.stderr
+    assert "collectives.py" not in job.stderr  # the script's frames, not mpilab's

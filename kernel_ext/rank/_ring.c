@@ -171,7 +171,8 @@ static int wait_flag(Ring *self, int64_t *flag, long long target)
 
 /* A collective that cannot complete (`why`: another rank arrived at this epoch in a
  * different collective, or a rank has gone): the Python `wait_release` waits, as a wait
- * for a flag would, until the notebook's watchdog releases the ranks, and raises. */
+ * for a flag would, until the notebook's watchdog releases the ranks, and raises; in a
+ * batch script, where no watchdog will, it returns at once and `why` is raised. */
 static int wait_release(Ring *self, const char *why)
 {
     PyObject *r = PyObject_CallNoArgs(self->wait_release);
@@ -181,10 +182,39 @@ static int wait_release(Ring *self, const char *why)
     return -1;
 }
 
+/* A collective's signature in words (node ranks: the engine's ranks are its node's). */
+static void describe(long long sig, char *out, size_t len)
+{
+    int kind = (int)(sig & 0xff), root = (int)((sig >> 8) & 0xffff);
+    long long nbytes = sig >> 24;
+    if (kind >= K_SUM && kind <= K_MIN)
+        snprintf(out, len, "an allreduce (%s) of %lld bytes", KIND_NAMES[kind], nbytes);
+    else if (kind == K_BROADCAST)
+        snprintf(out, len, "a broadcast of %lld bytes from its node's rank %d", nbytes, root);
+    else if (kind == K_ALLGATHER)
+        snprintf(out, len, "an allgather of %lld bytes", nbytes);
+    else if (kind == K_BARRIER)
+        snprintf(out, len, "a barrier");
+    else
+        snprintf(out, len, "an unknown collective (%lld)", sig);
+}
+
+static int __attribute__((noinline)) mismatched(Ring *self, int r, long long sig,
+                                                long long theirs)
+{
+    char mine_text[96], theirs_text[96], why[400];
+    describe(sig, mine_text, sizeof mine_text);
+    describe(theirs, theirs_text, sizeof theirs_text);
+    snprintf(why, sizeof why, "mismatched collectives: this rank is in %s, and its node's "
+             "rank %d in %s at the same point: every rank must call the same collectives "
+             "in the same order", mine_text, r, theirs_text);
+    return wait_release(self, why);
+}
+
 static inline int check_sig(Ring *self, int r, long long epoch, long long sig)
 {
-    return self->flags[r][1 + (epoch & (RING - 1))] == sig
-        ? 0 : wait_release(self, "mismatched collectives");
+    long long theirs = self->flags[r][1 + (epoch & (RING - 1))];
+    return theirs == sig ? 0 : mismatched(self, r, sig, theirs);
 }
 
 static long long arrive(Ring *self)

@@ -56,7 +56,9 @@ def install(comm: Any, rank: int, world_size: int) -> None:
                 time.sleep(OTHERS_WAIT_S)
             print(f"mpilab.init(): {value}", file=sys.stderr, flush=True)
             return
-        previous(kind, value, tb)  # the traceback, as the script would print it
+        # the traceback as the script would print it, without mpilab's frames (as a
+        # notebook cell's)
+        previous(kind, value, _user_frames(tb))
         if world_size > 1:
             what = ("was interrupted" if issubclass(kind, KeyboardInterrupt)
                     else f"ended with {kind.__name__}")
@@ -77,6 +79,24 @@ def install(comm: Any, rank: int, world_size: int) -> None:
 
     sys.excepthook = excepthook
     atexit.register(end_every_rank)
+
+
+def _user_frames(tb: Any) -> Any:
+    """`tb` without the frames a traceback leaves out (engine.hidden_frame); kept as it
+    is when that would leave none."""
+    from .engine import hidden_frame
+
+    kept, each = [], tb
+    while each is not None:
+        if not hidden_frame(each.tb_frame.f_code.co_filename):
+            kept.append(each)
+        each = each.tb_next
+    if not kept:
+        return tb
+    for earlier, later in zip(kept, kept[1:]):
+        earlier.tb_next = later
+    kept[-1].tb_next = None
+    return kept[0]
 
 
 def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -209,7 +209,9 @@ def _reporting_error(frame) -> bool:
 _MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _is_hidden(filename: str) -> bool:
+def hidden_frame(filename: str) -> bool:
+    """Whether a traceback leaves out a frame of this file: mpilab's, the engine's glue,
+    torch's private modules (in the notebook and in a batch script alike)."""
     if filename.startswith(_MPILAB_DIR):
         return True
     parts = filename.replace("\\", "/").split("/")
@@ -242,7 +244,7 @@ def _user_frames(tb) -> list[traceback.FrameSummary]:
     """The frames shown: none of mpilab's or the engine's, nor a generated one (a
     dataclass's `__init__`, file "<string>") that called straight into them."""
     frames = traceback.extract_tb(tb)
-    hidden = [_is_hidden(f.filename) for f in frames]
+    hidden = [hidden_frame(f.filename) for f in frames]
     return [f for i, f in enumerate(frames) if not hidden[i] and not (
         f.filename == "<string>" and i + 1 < len(frames) and hidden[i + 1])]
 

@@ -67,6 +67,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from . import agent as agent_mod
 from ._ring import ELEMENT_TYPES, KINDS, Ring, read_peer, reduce_publish, signature, stream_copy
 from .waiting import check_abort
 
@@ -177,7 +178,10 @@ def _wait_for_release() -> None:
     """A collective that cannot complete (another rank arrived here in a different
     collective, or a rank has gone): wait, interruptibly, for the release (the watchdog's
     report aborts the waits, Ctrl-C interrupts them); never complete with data that
-    belongs to another collective."""
+    belongs to another collective. A batch script has no watchdog to release it: the
+    collective raises at once, saying why, and the job ends (rank/batch.py)."""
+    if agent_mod.current().address is None:
+        return
     while True:
         check_abort()
         time.sleep(0.005)
