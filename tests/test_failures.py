@@ -278,6 +278,25 @@ report("got through")
     assert took < 60, took  # mostly three torch imports on two cores
 
 
+def test_a_batch_script_rank_that_ends_while_another_waits_for_it_is_named():
+    """`if rank == 0: mpilab.allreduce(loss)` at the end of a script: rank 1 ended, rank 0
+    waited in the allreduce and rank 1 in MPI's finalization, for good. The job ends at
+    once, naming both; a rank that only works longer at the end is waited for."""
+    results, job = run_ranks("""
+import time, torch
+loss = torch.ones(1)
+mpilab.allreduce(loss)
+if ctx.rank == 0:
+    time.sleep(2)  # more work on rank 0 alone: rank 1 waits for it
+    mpilab.allreduce(loss)  # a collective rank 1 never calls
+report("ended")
+""", n=2, timeout=120, check=False)
+    assert job.returncode == 1, (job.returncode, job.stderr[-3000:])
+    assert results[1] == "ended" and results[0] is None
+    assert ("mpilab: rank 1 ended the script, but rank 0 waits for it in an allreduce (sum) "
+            "of 4 bytes that rank 1 never began: ending all 2 ranks") in job.stderr, job.stderr
+
+
 def test_a_batch_script_whose_start_cannot_work_says_so_in_one_line():
     """Bad input to mpilab.init() in a script: one line, said once, no traceback through
     mpilab's code from every rank, and the job ends with status 1."""

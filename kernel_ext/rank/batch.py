@@ -13,6 +13,10 @@ there, and the watchdog releases the peers. A script has neither, so:
 - **a start that cannot work is one line**, not a traceback through mpilab's code from
   every rank: rank 0 says it (the others wait a moment, so that it is said once), then
   the job ends as above.
+- **a rank that ended its script while another waits for it is named.** A rank of its
+  node that waits in one of mpilab's collectives this rank never began (`if rank == 0:
+  mpilab.allreduce(…)`) would wait for good, and so would this rank in MPI's
+  finalization; the line names both, and the job ends as above.
 - **processes that MPI sees apart are named.** ``srun`` without a PMI plugin MPICH
   speaks, ``torchrun``, or another MPI's ``mpirun`` start several processes that each
   find themselves a world of one and would each train alone; that is refused with the
@@ -34,6 +38,9 @@ ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
 # How long a rank other than 0 waits before it says why the start failed: every rank
 # usually learns the same reason, and rank 0 ends the job as it says it.
 OTHERS_WAIT_S = 1.0
+
+# How often a rank that ended its script looks for a rank that waits for it.
+EXIT_POLL_S = 0.05
 
 _failed = [False]
 _installed: list[bool] = []
@@ -65,20 +72,46 @@ def install(comm: Any, rank: int, world_size: int) -> None:
             print(f"mpilab: rank {rank} {what}: ending all {world_size} ranks",
                   file=sys.stderr, flush=True)
 
-    def end_every_rank() -> None:
+    def at_exit() -> None:
         # atexit: after the excepthook chain (torch.distributed's wraps this one and
         # writes what it printed when it returns), before MPI's own finalization
-        if not _failed[0] or world_size < 2:
+        if world_size < 2:
             return
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - a closed stream has nothing to lose
-                pass
-        comm.Abort(ABORT_CODE)
+        if not _failed[0]:
+            _leave_together(comm, rank, world_size)
+            return
+        _end_every_rank(comm)
 
     sys.excepthook = excepthook
-    atexit.register(end_every_rank)
+    atexit.register(at_exit)
+
+
+def _end_every_rank(comm: Any) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing to lose
+            pass
+    comm.Abort(ABORT_CODE)
+
+
+def _leave_together(comm: Any, rank: int, world_size: int) -> None:
+    """The script ended on this rank: wait for every rank to end theirs, as MPI's
+    finalization would, but not for a rank of this node that waits for this one in one
+    of mpilab's collectives this rank never began (`if rank == 0: mpilab.allreduce(…)`):
+    both would wait for good. That is named, and the job ends."""
+    from .collectives import waiting_for_this_rank
+
+    ended = comm.Ibarrier()
+    while not ended.Test():
+        found = waiting_for_this_rank()
+        if found is not None:
+            peer, what = found
+            print(f"mpilab: rank {rank} ended the script, but rank {peer} waits for it in "
+                  f"{what} that rank {rank} never began: ending all {world_size} ranks",
+                  file=sys.stderr, flush=True)
+            _end_every_rank(comm)
+        time.sleep(EXIT_POLL_S)
 
 
 def _user_frames(tb: Any) -> Any:
