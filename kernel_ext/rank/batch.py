@@ -33,12 +33,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from .context import BootstrapError
+from .frames import user_frames
 
 ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
 # How long a rank other than 0 waits before it says why the start failed: every rank
 # usually learns the same reason, and rank 0 ends the job as it says it.
 OTHERS_WAIT_S = 1.0
 
+# How long a rank that ends the job gives mpiexec to take its last lines first.
+OUTPUT_DRAIN_S = 0.3
 # How often a rank that ended its script looks for a rank that waits for it.
 EXIT_POLL_S = 0.05
 
@@ -65,7 +68,7 @@ def install(comm: Any, rank: int, world_size: int) -> None:
             return
         # the traceback as the script would print it, without mpilab's frames (as a
         # notebook cell's)
-        previous(kind, value, _user_frames(tb))
+        previous(kind, value, user_frames(tb))
         if world_size > 1:
             what = ("was interrupted" if issubclass(kind, KeyboardInterrupt)
                     else f"ended with {kind.__name__}")
@@ -87,11 +90,15 @@ def install(comm: Any, rank: int, world_size: int) -> None:
 
 
 def _end_every_rank(comm: Any) -> None:
+    """MPI_Abort, once what this rank wrote has had time to reach mpiexec: the abort
+    ends every process of the job at once, hydra's proxies too, and a proxy that had
+    not yet passed on this rank's last lines loses them (seen: the whole traceback)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except Exception:  # noqa: BLE001 - a closed stream has nothing to lose
             pass
+    time.sleep(OUTPUT_DRAIN_S)
     comm.Abort(ABORT_CODE)
 
 
@@ -112,24 +119,6 @@ def _leave_together(comm: Any, rank: int, world_size: int) -> None:
                   file=sys.stderr, flush=True)
             _end_every_rank(comm)
         time.sleep(EXIT_POLL_S)
-
-
-def _user_frames(tb: Any) -> Any:
-    """`tb` without the frames a traceback leaves out (engine.hidden_frame); kept as it
-    is when that would leave none."""
-    from .engine import hidden_frame
-
-    kept, each = [], tb
-    while each is not None:
-        if not hidden_frame(each.tb_frame.f_code.co_filename):
-            kept.append(each)
-        each = each.tb_next
-    if not kept:
-        return tb
-    for earlier, later in zip(kept, kept[1:]):
-        earlier.tb_next = later
-    kept[-1].tb_next = None
-    return kept[0]
 
 
 def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:

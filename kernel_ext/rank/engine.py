@@ -17,8 +17,7 @@ import traceback
 import warnings
 
 from ..wire import CELL_LABEL, CELL_LABEL_PREFIX, NO_RECORDS
-
-_HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tornado")
+from .frames import hidden_frame
 
 
 def run(argv: list[str]) -> None:
@@ -204,18 +203,6 @@ def _reporting_error(frame) -> bool:
             return True
         frame = frame.f_back
     return False
-
-
-_MPILAB_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def hidden_frame(filename: str) -> bool:
-    """Whether a traceback leaves out a frame of this file: mpilab's, the engine's glue,
-    torch's private modules (in the notebook and in a batch script alike)."""
-    if filename.startswith(_MPILAB_DIR):
-        return True
-    parts = filename.replace("\\", "/").split("/")
-    return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
 
 
 _CELL_LABEL = re.compile(re.escape(CELL_LABEL).replace(r"\{\}", r"(\d+)"))
