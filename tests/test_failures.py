@@ -297,6 +297,21 @@ report("ended")
             "of 4 bytes that rank 1 never began: ending all 2 ranks") in job.stderr, job.stderr
 
 
+def test_a_batch_script_that_ends_mpi_itself_ends_quietly():
+    """`MPI.Finalize()` at the end of a script, as some MPI programs do: the ranks end
+    with status 0 and nothing on stderr (mpilab's exit does no MPI call after it)."""
+    results, job = run_ranks("""
+import torch
+from mpi4py import MPI
+x = torch.ones(4)
+mpilab.allreduce(x)
+report(x.tolist())
+MPI.Finalize()
+""", n=2, timeout=120, check=False)
+    assert job.returncode == 0 and job.stderr == "", job.stderr
+    assert results == [[2.0] * 4] * 2
+
+
 def test_a_batch_script_whose_start_cannot_work_says_so_in_one_line():
     """Bad input to mpilab.init() in a script: one line, said once, no traceback through
     mpilab's code from every rank, and the job ends with status 1."""

@@ -107,8 +107,12 @@ def _leave_together(comm: Any, rank: int, world_size: int) -> None:
     finalization would, but not for a rank of this node that waits for this one in one
     of mpilab's collectives this rank never began (`if rank == 0: mpilab.allreduce(…)`):
     both would wait for good. That is named, and the job ends."""
+    from mpi4py import MPI
+
     from .collectives import waiting_for_this_rank
 
+    if MPI.Is_finalized():  # the script ended MPI itself: nothing is left to wait in
+        return
     ended = comm.Ibarrier()
     while not ended.Test():
         found = waiting_for_this_rank()
@@ -148,9 +152,8 @@ def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> 
 def launcher_rank(environ: Mapping[str, str] = os.environ) -> int:
     """This process's rank among the launcher's (0 where none says)."""
     for name in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK"):
-        value = _count(environ.get(name))
-        if value:
-            return value
+        if environ.get(name) is not None:
+            return _count(environ.get(name))
     return 0
 
 
