@@ -471,6 +471,31 @@ def test_batch_job_under_mpiexec_with_a_hostfile(emulated_cluster, hostfile, tmp
         done.stdout
 
 
+def test_batch_job_whose_rank_on_node2_raises_ends_on_both_hosts(emulated_cluster, hostfile,
+                                                                  tmp_path):
+    """A rank of a batch job raises on node2 while the ranks on both hosts wait for it in
+    an allreduce: the job ends within seconds with its traceback and one line, and
+    nothing is left on either host (it hung until killed)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import socket, torch, mpilab\n"
+        "ctx = mpilab.init()\n"
+        "x = mpilab.allreduce(torch.ones(3))\n"
+        "if ctx.rank == 3:\n"
+        "    raise ValueError(f'bad batch on {socket.gethostname()}')\n"
+        "mpilab.allreduce(x)\n")
+    mpiexec = str(REPO / ".venv/bin/mpiexec")
+    started = time.monotonic()
+    done = subprocess.run([mpiexec, "-f", str(hostfile), "-n", "4", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **emulated_cluster.env()})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert time.monotonic() - started < 60
+    assert "ValueError: bad batch on node2" in done.stderr, done.stderr[-3000:]
+    assert "mpilab: rank 3 ended with ValueError: ending all 4 ranks" in done.stderr
+    assert not wait_nothing_left(emulated_cluster, timeout=10)
+
+
 def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostfile,
                                                         ssh_kernel):
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left
