@@ -269,6 +269,30 @@ def _slurm_found() -> str:
     return "none (ranks run here, or on hosts of a --hostfile over ssh)"
 
 
+def srun_plugin_advice(slurm_conf: str) -> str:
+    """How a job script of one's own starts the ranks, from slurm.conf's text: srun's
+    default MPI plugin (MpiDefault; Slurm's own default is none) decides whether a plain
+    `srun python train.py` gives MPICH its peers (pmi2) or leaves every task a world of
+    one."""
+    found = re.search(r"^\s*MpiDefault\s*=\s*(\S+)", slurm_conf, re.M | re.I)
+    default = found.group(1).lower() if found else "none"
+    if default == "pmi2":
+        return "srun's MPI plugin pmi2: a job script's `srun python train.py` is one world"
+    return (f"srun's MPI plugin {default}: in a job script, `srun --mpi=pmi2 python "
+            "train.py` or `mpiexec -n N python train.py`")
+
+
+def _job_scripts_found() -> str | None:
+    """mpilab doctor's row on job scripts (None: no srun, or no slurm.conf to read here)."""
+    if not shutil.which("srun"):
+        return None
+    try:
+        with open(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf") as f:
+            return srun_plugin_advice(f.read())
+    except OSError:
+        return None
+
+
 def _batch_job_found() -> str | None:
     """The PBS, LSF or SGE job this runs in and where a plain start puts the ranks
     there (None: no such job)."""
@@ -335,6 +359,9 @@ def cmd_doctor(args) -> int:
             row(module, "missing")
             problems.append((module, fix))
     row("Slurm", _slurm_found())
+    scripts = _job_scripts_found()
+    if scripts:
+        row("job scripts", scripts)
     batch = _batch_job_found()
     if batch:
         row("batch job", batch)

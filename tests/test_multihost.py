@@ -1007,6 +1007,9 @@ def test_slurm_inside_an_allocation(emulated_cluster, slurm_kernel, hostfile, tm
                                 timeout=120)
         assert (f"Slurm          allocation {job} (node1, node2; 4 tasks): `%mpilab start "
                 "-n N` puts the ranks there") in doctor.stdout, doctor.stdout
+        # this cluster's slurm.conf has MpiDefault=none, as many sites' do
+        assert ("job scripts    srun's MPI plugin none: in a job script, `srun --mpi=pmi2 "
+                "python train.py` or `mpiexec -n N python train.py`") in doctor.stdout
         kernel = Kernel(env=env)
         try:
             too_many = kernel.run("%load_ext mpilab\n%mpilab start -n 6 --launcher slurm")

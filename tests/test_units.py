@@ -1304,3 +1304,17 @@ def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, 
     assert launched_apart(2, environ) is None  # MPI's world is the launcher's
     assert launcher_rank(environ) == (1 if "1" in (environ.get("SLURM_PROCID"),
                                                    environ.get("RANK")) else 0)
+
+
+@pytest.mark.parametrize("slurm_conf, says", [
+    ("ClusterName=c\nMpiDefault=pmi2\n",
+     "srun's MPI plugin pmi2: a job script's `srun python train.py` is one world"),
+    ("mpidefault = PMIx\n", "srun's MPI plugin pmix: in a job script, `srun --mpi=pmi2 "
+                            "python train.py` or `mpiexec -n N python train.py`"),
+    ("ClusterName=c\n#MpiDefault=pmi2\n", "srun's MPI plugin none: in a job script, "
+     "`srun --mpi=pmi2 python train.py` or `mpiexec -n N python train.py`"),
+])
+def test_doctor_says_how_a_job_script_starts_one_world(slurm_conf, says):
+    from mpilab.cli import srun_plugin_advice  # mpilab doctor's "job scripts" row
+
+    assert srun_plugin_advice(slurm_conf) == says
