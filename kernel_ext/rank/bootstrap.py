@@ -71,7 +71,10 @@ def init(
     wait before torch gives up on them (default 30 minutes, or $MPILAB_COLLECTIVE_TIMEOUT):
     mpilab's watchdog releases hung ranks long before, and a slow first step of a large
     model must not be taken for a hang. `start_hooks` run last, in order, with the
-    context on every rank (default: ``default_start_hooks()``).
+    context on every rank (default: ``default_start_hooks()``). In a script (no
+    notebook), a rank that fails ends the job, and a start that cannot work is one line
+    (batch.py). At exit the torch.distributed groups end before MPI does
+    (torch_group.release_at_exit).
     """
     if is_initialized():
         return context()
