@@ -1279,31 +1279,36 @@ def test_a_controller_ip_the_ranks_hosts_do_not_reach_is_named_in_the_start_line
         "out to listen where the route towards them leaves this host)")
 
 
-@pytest.mark.parametrize("environ, says", [
+@pytest.mark.parametrize("environ, says, launcher_rank", [
     ({"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "1"},
      "srun started 4 tasks, but MPI sees each as a world of one (srun gave MPICH no PMI): "
-     "run `srun --mpi=pmi2 …`, or `mpiexec -n 4 python …` inside the job"),
-    ({"SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "1"}, None),  # srun's PMI: one task asked
-    ({"SLURM_STEP_NUM_TASKS": "1"}, None),
+     "run `srun --mpi=pmi2 …`, or `mpiexec -n 4 python …` inside the job", 1),
+    ({"SLURM_STEP_NUM_TASKS": "4", "PMI_SIZE": "1"}, None, 0),  # srun's PMI: one task asked
+    ({"SLURM_STEP_NUM_TASKS": "1"}, None, 0),
     ({"TORCHELASTIC_RUN_ID": "none", "WORLD_SIZE": "2", "RANK": "1"},
      "torchrun started 2 workers, but mpilab's ranks are MPI processes: start the script "
-     "with `mpiexec -n 2 python …` (it sets torchrun's environment for the script)"),
-    ({"TORCHELASTIC_RUN_ID": "mpilab", "WORLD_SIZE": "2"}, None),  # set by mpilab's ranks
-    ({"OMPI_COMM_WORLD_SIZE": "3"}, "Open MPI's mpirun started 3 processes"),
-    ({"SLURM_STEP_NUM_TASKS": "x", "WORLD_SIZE": "2"}, None),
-    ({}, None),
+     "with `mpiexec -n 2 python …` (it sets torchrun's environment for the script)", 1),
+    ({"TORCHELASTIC_RUN_ID": "mpilab", "WORLD_SIZE": "2"}, None, 0),  # mpilab's own ranks
+    ({"OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_RANK": "2"},
+     "Open MPI's mpirun started 3 processes, but this Python's MPI is another, so each is "
+     "a world of one: start the script with ", 2),
+    ({"SLURM_STEP_NUM_TASKS": "x", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "RANK": "1"},
+     None, 0),  # the first variable set is the launcher's
+    ({}, None, 0),
 ])
-def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, says):
+def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, says,
+                                                                       launcher_rank):
     """`srun -n 4 python train.py` where srun gives MPICH no PMI, `torchrun`, or another
     MPI's mpirun: each process is a world of one and would train alone."""
-    from mpilab.rank.batch import launched_apart, launcher_rank
+    from mpilab.rank import batch
 
-    line = launched_apart(1, environ)
-    assert line == says if says is None or says.endswith(("job", "script)")) \
-        else line.startswith(says)
-    assert launched_apart(2, environ) is None  # MPI's world is the launcher's
-    assert launcher_rank(environ) == (1 if "1" in (environ.get("SLURM_PROCID"),
-                                                   environ.get("RANK")) else 0)
+    line = batch.launched_apart(1, environ)
+    if says is None:
+        assert line is None
+    else:  # the Open MPI line ends with this environment's mpiexec
+        assert line is not None and line.startswith(says), line
+    assert batch.launched_apart(2, environ) is None  # MPI's world is the launcher's
+    assert batch.launcher_rank(environ) == launcher_rank
 
 
 @pytest.mark.parametrize("slurm_conf, says", [

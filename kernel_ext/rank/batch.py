@@ -17,6 +17,9 @@ there, and the watchdog releases the peers. A script has neither, so:
   node that waits in one of mpilab's collectives this rank never began (`if rank == 0:
   mpilab.allreduce(…)`) would wait for good, and so would this rank in MPI's
   finalization; the line names both, and the job ends as above.
+- **the torch.distributed groups end before the interpreter does**
+  (torch_group.release_at_exit): left to its teardown, a gloo group aborted the process
+  about half the time.
 - **processes that MPI sees apart are named.** ``srun`` without a PMI plugin MPICH
   speaks, ``torchrun``, or another MPI's ``mpirun`` start several processes that each
   find themselves a world of one and would each train alone; that is refused with the
@@ -34,6 +37,7 @@ from typing import Any
 
 from .context import BootstrapError
 from .frames import user_frames
+from .torch_group import release_at_exit
 
 ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
 # How long a rank other than 0 waits before it says why the start failed: every rank
@@ -86,6 +90,11 @@ def install(comm: Any, rank: int, world_size: int) -> None:
         _end_every_rank(comm)
 
     sys.excepthook = excepthook
+    # atexit runs the last registered first: at_exit, then the groups' end, then MPI's
+    # own finalization (registered when mpi4py was imported). An abort must come before
+    # the groups' end, which would join a gloo thread inside a collective whose peers
+    # are gone.
+    atexit.register(release_at_exit)
     atexit.register(at_exit)
 
 

@@ -9,7 +9,6 @@ nothing they import imports the bootstrap.
 
 from __future__ import annotations
 
-import atexit
 import os
 import socket
 from collections.abc import Callable, Sequence
@@ -52,9 +51,6 @@ def choose_backend(requested: str, device_type: str) -> str:
     return requested
 
 
-_exit_registered: list[bool] = []  # release_at_exit, once per process
-
-
 def init(
     gpus: str | None = "auto",
     backend: str = "auto",
@@ -73,8 +69,7 @@ def init(
     model must not be taken for a hang. `start_hooks` run last, in order, with the
     context on every rank (default: ``default_start_hooks()``). In a script (no
     notebook), a rank that fails ends the job, and a start that cannot work is one line
-    (batch.py). At exit the torch.distributed groups end before MPI does
-    (torch_group.release_at_exit).
+    (batch.py), and at exit the torch.distributed groups end before MPI does.
     """
     if is_initialized():
         return context()
@@ -83,16 +78,11 @@ def init(
 
     comm = MPI.COMM_WORLD
     rank, world_size = comm.Get_rank(), comm.Get_size()
-    if not _exit_registered:
-        from .torch_group import release_at_exit
-
-        atexit.register(release_at_exit)
-        _exit_registered.append(True)
     notebook = agent_address or os.environ.get("MPILAB_AGENT")
     if notebook is None:  # a batch script: see batch.py
         from . import batch
 
-        batch.install(comm, rank, world_size)  # its exit runs before release_at_exit
+        batch.install(comm, rank, world_size)
         apart = batch.launched_apart(world_size)
         if apart:
             raise BootstrapError(apart)

@@ -109,8 +109,9 @@ EXIT_SETTLE_S = 0.05
 
 
 def release_at_exit() -> None:
-    """End this rank's torch.distributed groups while Python still runs (registered by
-    the bootstrap with ``atexit``, so it runs before MPI is finalized).
+    """End this rank's torch.distributed groups while Python still runs (a batch
+    script's ``atexit``, batch.py; it runs before MPI is finalized; the notebook's
+    ranks are ended by their supervisors and never get here).
 
     Why: a gloo worker thread lets go of a finished collective's tensors after the
     caller has seen it complete, and that takes the GIL. If the interpreter is already
