@@ -18,7 +18,7 @@ from .cell_window import CellWindow
 from .cluster import engine_alive
 from .placement import slurm_job_ended
 from .selection import rank_label
-from .wire import exit_reports
+from .wire import exit_reports, mismatch_line
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
 # a rank neither in a collective nor at a line that calls one when its peer failed: time
@@ -149,9 +149,7 @@ class CollectiveLedger:
             what = _history(hb).get(seq)
             if what is not None:
                 members.setdefault(rank, what)
-        parts = [f"rank {r} in {op} #{seq} ({nbytes:,} bytes)"
-                 for r, (op, nbytes) in sorted(members.items())]
-        return "mismatched collectives: " + ", ".join(parts)
+        return mismatch_line(seq, members)
 
 
 def _history(hb: dict) -> dict[int, tuple[str, int]]:

@@ -7,7 +7,8 @@
   rank's outputs, and the notebook's answer.
 - The environment a launcher hands the ranks.
 - The lines the ranks write for the notebook side to read: a rank's supervisor's when its
-  engine ends, rank 0's measurements under `mpilab bench`.
+  engine ends, rank 0's measurements under `mpilab bench`; and how either side names a
+  collective and a mismatch of them.
 
 Light to import: the ranks' supervisor imports it before anything else and every rank's
 agent imports it; msgpack is imported only where a message is made or read.
@@ -258,6 +259,20 @@ def read_input(raw: bytes) -> dict:
     if not isinstance(message, dict) or not isinstance(message.get("id"), int):
         raise ValueError("not a question or an answer")
     return message
+
+
+# -- collectives in words: the notebook's watchdog and a batch script's watch say the same --
+def collective_words(op: str, seq: int, nbytes: int) -> str:
+    """'allreduce #12 (4,096 bytes)': a collective by its name and number (its place in
+    the program's order, the same on every rank)."""
+    return f"{op} #{seq} ({nbytes:,} bytes)"
+
+
+def mismatch_line(seq: int, members: dict[int, tuple[str, int]]) -> str:
+    """Ranks in different collectives at number `seq` (rank -> (op, bytes)), one line."""
+    return "mismatched collectives: " + ", ".join(
+        f"rank {rank} in {collective_words(op, seq, nbytes)}"
+        for rank, (op, nbytes) in sorted(members.items()))
 
 
 # -- the ranks' environment -----------------------------------------------------------------
