@@ -445,7 +445,7 @@ def allgather_json(obj: Any, what: str) -> list:
     sizes = allgather(torch.tensor([len(data)], dtype=torch.int64)).view(-1).tolist()
     displs = [0, *itertools.accumulate(sizes)][:-1]
     recv = bytearray(sum(sizes))
-    with waiting.collective("allgather", len(data), what):
+    with waiting.collective("allgather", len(recv), what):  # the same bytes on every rank
         comm = private_comm()
         plan_for(comm).wait(comm.Iallgatherv([data, MPI.BYTE], [recv, sizes, displs, MPI.BYTE]))
     return [json.loads(recv[d:d + n]) for d, n in zip(displs, sizes, strict=True)]
