@@ -293,8 +293,8 @@ report("ended")
 """, n=2, timeout=120, check=False)
     assert job.returncode == 1, (job.returncode, job.stderr[-3000:])
     assert results[1] == "ended" and results[0] is None
-    assert ("mpilab: rank 1 ended the script, but rank 0 waits for it in an allreduce (sum) "
-            "of 4 bytes that rank 1 never began: ending all 2 ranks") in job.stderr, job.stderr
+    assert ("mpilab: rank 1 ended the script, but rank 0 waits for it in allreduce #2 "
+            "(4 bytes) that rank 1 never began: ending all 2 ranks") in job.stderr, job.stderr
 
 
 def test_a_batch_script_that_ends_mpi_itself_ends_quietly():

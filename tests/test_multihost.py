@@ -496,6 +496,52 @@ def test_batch_job_whose_rank_on_node2_raises_ends_on_both_hosts(emulated_cluste
     assert not wait_nothing_left(emulated_cluster, timeout=10)
 
 
+def test_batch_job_whose_collective_can_never_complete_across_hosts_is_named(
+        emulated_cluster, hostfile, tmp_path):
+    """Two ways a batch job's collective never completes across node1 and node2: the
+    ranks on node2 ran out of data a step early (their script ended while node1's ranks
+    wait for them in DataParallel's allreduce), and ranks in different collectives at
+    the same point. MPI shows nothing between hosts, and both jobs waited for good; each
+    now ends within seconds with one line naming the ranks, and leaves nothing on either
+    host."""
+    uneven = tmp_path / "uneven.py"
+    uneven.write_text(
+        "import torch, mpilab\n"
+        "ctx = mpilab.init()\n"
+        "model = mpilab.DataParallel(torch.nn.Linear(8, 1))\n"
+        "for step in range(3 if ctx.rank < 2 else 2):  # node2's shard is a batch short\n"
+        "    model(torch.ones(4, 8)).sum().backward()\n")
+    mismatched = tmp_path / "mismatched.py"
+    mismatched.write_text(
+        "import torch, mpilab\n"
+        "ctx = mpilab.init()\n"
+        "x = mpilab.allreduce(torch.ones(8))\n"
+        "if ctx.rank < 2:\n"
+        "    mpilab.allreduce(x)\n"
+        "else:\n"
+        "    mpilab.broadcast(x)\n")
+    mpiexec = str(REPO / ".venv/bin/mpiexec")
+    said = {}
+    for script in (uneven, mismatched):
+        started = time.monotonic()
+        done = subprocess.run([mpiexec, "-f", str(hostfile), "-n", "4", sys.executable,
+                               str(script)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **emulated_cluster.env()})
+        assert done.returncode == 1, done.stderr[-3000:]
+        assert time.monotonic() - started < 60
+        said[script.stem] = [line for line in done.stderr.splitlines()
+                             if line.startswith("mpilab:")]
+        assert not wait_nothing_left(emulated_cluster, timeout=10)
+    assert len(said["uneven"]) == 1 and re.fullmatch(
+        r"mpilab: rank ([23]) ended the script, but rank [01] waits for it in dp_allreduce "
+        r"#(\d+) \([\d,]+ bytes\) that rank \1 never began: ending all 4 ranks",
+        said["uneven"][0]), said
+    assert len(said["mismatched"]) == 1 and re.fullmatch(
+        r"mpilab: mismatched collectives: rank [01] in allreduce #(\d+) \(32 bytes\), rank "
+        r"[23] in broadcast #\1 \(32 bytes\): every rank must call the same collectives in "
+        r"the same order: ending all 4 ranks", said["mismatched"][0]), said
+
+
 def test_ssh_kernel_killed_ends_every_rank_on_every_node(emulated_cluster, hostfile,
                                                         ssh_kernel):
     assert ssh_kernel.run("%mpilab stop", timeout=120).ok  # its ranks would count as left

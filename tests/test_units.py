@@ -1311,6 +1311,38 @@ def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, 
     assert batch.launcher_rank(environ) == launcher_rank
 
 
+def test_a_scripts_ranks_learn_from_the_store_what_can_never_complete():
+    """The records a batch script's ranks leave in the rendezvous store (a real torch
+    store, in one process): a rank that ended before a collective's number cannot join
+    it; another collective recorded first at the same number is a mismatch; the same
+    one, or a rank that ended after beginning it, is no reason."""
+    import torch.distributed as dist
+    from mpilab.rank.agent import RankState
+    from mpilab.rank.script_watch import Watch, ended_before
+    from mpilab.wire import collective_words
+
+    store = dist.HashStore()
+    states = [RankState(seq=5), RankState(seq=3), RankState(seq=5)]
+    watches = [Watch(store, rank, state, end_job=print) for rank, state in enumerate(states)]
+    assert watches[0].announce(("dp_allreduce", 388), 5) is None  # the first at number 5
+    assert watches[2].announce(("dp_allreduce", 388), 5) is None
+    watches[1].record_end()  # rank 1 ended its script after 3 collectives
+    assert watches[0]._read_ended() == [(1, 3)]
+    assert watches[2].announce(("broadcast", 32), 6) is None
+    stuck = watches[0].announce(("allreduce", 32), 6)
+    assert stuck is not None and stuck.line == (
+        "mismatched collectives: rank 0 in allreduce #6 (32 bytes), rank 2 in broadcast #6 "
+        "(32 bytes): every rank must call the same collectives in the same order")
+    assert watches[1].announce(("broadcast", 64), 6).line.startswith(
+        "mismatched collectives: rank 1 in broadcast #6 (64 bytes), rank 2 in broadcast #6 "
+        "(32 bytes)")  # the same op of another size is another collective
+    what = collective_words("dp_allreduce", 5, 4096)
+    assert ended_before(0, 5, what, watches[0]._read_ended()).line == (
+        "rank 1 ended the script, but rank 0 waits for it in dp_allreduce #5 (4,096 bytes) "
+        "that rank 1 never began")
+    assert ended_before(0, 3, "allreduce #3 (4 bytes)", [(1, 3)]) is None  # it began #3
+
+
 @pytest.mark.parametrize("slurm_conf, says", [
     ("ClusterName=c\nMpiDefault=pmi2\n",
      "srun's MPI plugin pmi2: a job script's `srun python train.py` is one world"),

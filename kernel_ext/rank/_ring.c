@@ -934,22 +934,6 @@ static PyObject *Ring_exit(Ring *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_FALSE;
 }
 
-/* A rank that has arrived at a collective this rank has not (its flag past this rank's
- * epoch): (its rank, the collective in words), or None. A rank about to end its script
- * asks: such a rank waits for it in a collective it will never call. */
-static PyObject *Ring_waiting_peer(Ring *self, PyObject *Py_UNUSED(ignored))
-{
-    for (int r = 0; r < self->n; r++) {
-        long long e = r == self->me ? 0 : load(self->flags[r]);
-        if (e > self->epoch) {
-            char text[96];
-            describe(self->flags[r][1 + (e & (RING - 1))], text, sizeof text);
-            return Py_BuildValue("(is)", r, text);
-        }
-    }
-    Py_RETURN_NONE;
-}
-
 static PyMethodDef Ring_methods[] = {
     {"broadcast", (PyCFunction)(void (*)(void))Ring_broadcast, METH_FASTCALL,
      "broadcast(buffer, nbytes, root[, piece, stream_out]): root's bytes into every rank's "
@@ -975,8 +959,6 @@ static PyMethodDef Ring_methods[] = {
      "allreduce_done(nbytes, way): rank 0 records the announced way's time"},
     {"known", (PyCFunction)(void (*)(void))Ring_known, METH_FASTCALL,
      "known(collective, nbytes): (pipelined, read) GB/s the deciding rank knows at that size"},
-    {"waiting_peer", (PyCFunction)Ring_waiting_peer, METH_NOARGS,
-     "(rank, collective) of a rank arrived at a collective this one has not, or None"},
     {"__enter__", (PyCFunction)Ring_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Ring_exit, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

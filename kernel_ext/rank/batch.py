@@ -13,10 +13,12 @@ there, and the watchdog releases the peers. A script has neither, so:
 - **a start that cannot work is one line**, not a traceback through mpilab's code from
   every rank: rank 0 says it (the others wait a moment, so that it is said once), then
   the job ends as above.
-- **a rank that ended its script while another waits for it is named.** A rank of its
-  node that waits in one of mpilab's collectives this rank never began (`if rank == 0:
-  mpilab.allreduce(…)`) would wait for good, and so would this rank in MPI's
-  finalization; the line names both, and the job ends as above.
+- **a collective that can never complete is named** (script_watch.py, on any node): a
+  rank that waits in one of mpilab's collectives that a rank which ended its script
+  never began (`if rank == 0: mpilab.allreduce(…)`, or data that ran out a step early
+  on one rank), or ranks in different collectives at the same point, would wait for
+  good, and the ended rank in MPI's finalization; the line names both, and the job
+  ends as above.
 - **the torch.distributed groups end before the interpreter does**
   (torch_group.release_at_exit): left to its teardown, a gloo group aborted the process
   about half the time.
@@ -35,8 +37,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from .context import BootstrapError
+from .context import BootstrapError, RankContext
 from .frames import user_frames
+from .script_watch import Watch
 from .torch_group import release_at_exit
 
 ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
@@ -46,11 +49,12 @@ OTHERS_WAIT_S = 1.0
 
 # How long a rank that ends the job gives mpiexec to take its last lines first.
 OUTPUT_DRAIN_S = 0.3
-# How often a rank that ended its script looks for a rank that waits for it.
+# How often a rank that ended its script looks whether every rank has.
 EXIT_POLL_S = 0.05
 
 _failed = [False]
 _installed: list[bool] = []
+_watch: list[Watch] = []  # this rank's, once the store is up
 
 
 def install(comm: Any, rank: int, world_size: int) -> None:
@@ -85,7 +89,7 @@ def install(comm: Any, rank: int, world_size: int) -> None:
         if world_size < 2:
             return
         if not _failed[0]:
-            _leave_together(comm, rank, world_size)
+            _leave_together(comm)
             return
         _end_every_rank(comm)
 
@@ -111,27 +115,35 @@ def _end_every_rank(comm: Any) -> None:
     comm.Abort(ABORT_CODE)
 
 
-def _leave_together(comm: Any, rank: int, world_size: int) -> None:
-    """The script ended on this rank: wait for every rank to end theirs, as MPI's
-    finalization would, but not for a rank of this node that waits for this one in one
-    of mpilab's collectives this rank never began (`if rank == 0: mpilab.allreduce(…)`):
-    both would wait for good. That is named, and the job ends."""
+def _leave_together(comm: Any) -> None:
+    """The script ended on this rank: say so in the store (a rank that waits for this
+    one in a collective this rank never began learns it there: script_watch.py), then
+    wait for every rank to end theirs, as MPI's finalization would, interruptibly."""
     from mpi4py import MPI
-
-    from .collectives import waiting_for_this_rank
 
     if MPI.Is_finalized():  # the script ended MPI itself: nothing is left to wait in
         return
+    for watch in _watch:
+        watch.record_end()
     ended = comm.Ibarrier()
     while not ended.Test():
-        found = waiting_for_this_rank()
-        if found is not None:
-            peer, what = found
-            print(f"mpilab: rank {rank} ended the script, but rank {peer} waits for it in "
-                  f"{what} that rank {rank} never began: ending all {world_size} ranks",
-                  file=sys.stderr, flush=True)
-            _end_every_rank(comm)
         time.sleep(EXIT_POLL_S)
+
+
+def watch(ctx: RankContext) -> None:
+    """Start this rank's script watch (script_watch.py): once the bootstrap has made the
+    rendezvous store, which it reads and writes."""
+    if ctx.world_size < 2 or ctx.store is None or _watch:
+        return
+    from .agent import current
+
+    def end_job(line: str) -> None:
+        print(f"mpilab: {line}: ending all {ctx.world_size} ranks", file=sys.stderr,
+              flush=True)
+        _end_every_rank(ctx.comm)
+
+    _watch.append(Watch(ctx.store, ctx.rank, current().state, end_job))
+    _watch[0].start()
 
 
 def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> str | None:

@@ -143,6 +143,10 @@ def init(
     set_context(ctx)
     for hook in default_start_hooks() if start_hooks is None else start_hooks:
         hook(ctx)
+    if notebook is None:
+        from . import batch
+
+        batch.watch(ctx)
     from .waiting import on_recover
 
     on_recover(_align_collective_numbers)

@@ -82,23 +82,6 @@ def private_comm(name: str = "collectives") -> Any:
     return _comms[name]
 
 
-def waiting_for_this_rank() -> tuple[int, str] | None:
-    """(rank, the collective in words) of a rank of this node that waits for this one in
-    one of mpilab's collectives this rank has not begun, or None (ranks on other nodes
-    wait in MPI, where nothing shows it)."""
-    from mpi4py import MPI
-
-    for comm in _comms.values():
-        plan = plan_for(comm)
-        found = plan.node.waiting_peer() if plan.node is not None else None
-        if found is not None:
-            node_rank, what = found
-            (rank,) = MPI.Group.Translate_ranks(plan.node_comm.Get_group(), [node_rank],
-                                                comm.Get_group())
-            return rank, what
-    return None
-
-
 def prepare_communicators(ctx: Any = None) -> None:
     """A start-up hook of the bootstrap: make mpilab's communicators and their
     shared-memory plans now, on every rank together.

@@ -250,11 +250,6 @@ class ShmEngine:
         node_comm.Barrier()
         self.win.Sync()
 
-    def waiting_peer(self) -> tuple[int, str] | None:
-        """(node rank, the collective in words) of a rank of this node that has arrived
-        at a collective this rank has not begun, or None."""
-        return self._ring.waiting_peer()
-
     def close(self) -> None:
         """Free the window (collective on the node communicator)."""
         self.win.Unlock_all()

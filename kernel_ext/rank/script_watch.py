@@ -1,0 +1,142 @@
+"""A batch script's watchdog: whether a collective a rank waits in can still complete.
+
+In a notebook the watchdog reads every rank's heartbeat and releases the ranks when one
+waits in a collective that cannot complete. A script under ``mpiexec`` has no notebook,
+and MPI shows nothing of a peer that waits on another node, or has ended. So the ranks
+of a script write what a peer would need to know to the rendezvous store (the
+torch.distributed TCPStore that ``mpilab.init()`` made, served by a thread of rank 0's
+process: it answers while rank 0 computes):
+
+- a rank that ends its script, how many collectives it began (`Watch.record_end`, from
+  batch.py's exit);
+- a rank that has waited in a collective for `CHECK_S`, which collective it is in, at
+  that collective's number (the first rank's is kept: ``compare_set``).
+
+A thread looks at the main thread's collective in progress every `CHECK_S`; one waited
+in that long is checked against both records. A rank that ended before beginning it,
+or a rank in another collective at the same number, means it never completes: every
+rank would wait for good (and under torchrun until torch's timeout). The first rank to
+find it says so in one line, and the job ends as it does when a rank fails.
+
+It sees what mpilab numbers: its collectives and DataParallel's (the collectives'
+numbers are the program's order, the same on every rank). A peer in torch's or MPI's
+own collectives shows nothing. Cost: nothing on a collective's path; a store request
+once for a wait of a second or more, and once at exit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..wire import collective_words, mismatch_line
+
+CHECK_S = 1.0  # how often the thread looks, and how long a wait is before it is checked
+_PREFIX = "mpilab-script/"
+
+
+@dataclass(frozen=True)
+class Stuck:
+    """A collective that cannot complete, and the line that says why."""
+
+    line: str
+
+
+def ended_before(rank: int, seq: int, what: str,
+                 ended: list[tuple[int, int]]) -> Stuck | None:
+    """This rank waits in collective number `seq` (`what`, in words); `ended` holds
+    (rank, collectives it began) of the ranks that ended their script. One that began
+    fewer never joins this one."""
+    for peer, began in ended:
+        if began < seq:
+            return Stuck(f"rank {peer} ended the script, but rank {rank} waits for it in "
+                         f"{what} that rank {peer} never began")
+    return None
+
+
+def other_collective(rank: int, what: tuple[str, int], seq: int,
+                     first: str) -> Stuck | None:
+    """`what`: this rank's (op, bytes) at collective number `seq`; `first`: "rank op
+    bytes" of the first rank that waited there. Another collective there is a mismatch:
+    ranks in different collectives wait for each other for good."""
+    peer, op, nbytes = first.split()
+    theirs = (op, int(nbytes))
+    if theirs == what:
+        return None
+    return Stuck(mismatch_line(seq, {int(peer): theirs, rank: what})
+                 + ": every rank must call the same collectives in the same order")
+
+
+class Watch:
+    """The records in the store, and the thread that checks this rank's long waits."""
+
+    def __init__(self, store: Any, rank: int, state: Any,
+                 end_job: Callable[[str], None]) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.PrefixStore(_PREFIX, store)
+        self.rank = rank
+        self.state = state  # the agent's RankState: `seq` and `current` of the main thread
+        self.end_job = end_job  # says the line (with what comes after it) and ends the job
+        self._ended: list[tuple[int, int]] = []  # the records read so far, in slot order
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="mpilab-script-watch", daemon=True).start()
+
+    def record_end(self) -> None:
+        """This rank ended its script: a slot of its own (an atomic count), then its
+        rank and how many collectives it began."""
+        try:
+            slot = self.store.add("ended", 1)
+            self.store.set(f"ended/{slot}", f"{self.rank} {self.state.seq}")
+        except Exception:  # noqa: BLE001 - the store is gone with rank 0: nothing waits on it
+            pass
+
+    def _read_ended(self) -> list[tuple[int, int]]:
+        count = self.store.add("ended", 0)
+        while len(self._ended) < count:
+            key = f"ended/{len(self._ended) + 1}"
+            if not self.store.check([key]):
+                break  # its rank took the slot and has not written it yet
+            peer, began = self.store.get(key).decode().split()
+            self._ended.append((int(peer), int(began)))
+        return self._ended
+
+    def announce(self, what: tuple[str, int], seq: int) -> Stuck | None:
+        """Record this rank's (op, bytes) at collective number `seq`; another collective
+        recorded there first is a mismatch."""
+        op, nbytes = what
+        first = self.store.compare_set(f"at/{seq}", "", f"{self.rank} {op} {nbytes}")
+        return other_collective(self.rank, what, seq, first.decode())
+
+    def _run(self) -> None:
+        announced = 0  # the last collective number recorded: each is recorded once
+        while True:
+            time.sleep(CHECK_S)
+            current, seq = self.state.current, self.state.seq
+            if current is None:
+                continue
+            start = current.start
+            if time.time() - start < CHECK_S:
+                continue
+            what = (current.op, int(current.nbytes or 0))
+            try:
+                stuck = None
+                if seq != announced:
+                    announced = seq
+                    stuck = self.announce(what, seq)
+                stuck = stuck or ended_before(self.rank, seq,
+                                              collective_words(what[0], seq, what[1]),
+                                              self._read_ended())
+            except Exception:  # noqa: BLE001 - rank 0 and its store are gone: the job ends
+                return
+            still_in = (self.state.current is current and self.state.seq == seq
+                        and current.start == start)  # one that completed was not stuck
+            if stuck is None or not still_in:
+                continue
+            if self.store.add("said", 1) == 1:  # one line, from the first rank to find it
+                self.end_job(stuck.line)
+            return
