@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -93,6 +94,30 @@ def test_batch_job_runs_notebook_cell_code_unchanged():
         assert res["mpi"] == 2 and res["world"] == 2 and res["local"] == rank
         assert res["device"] == "cpu" and res["same"]
         assert res["threads"] >= 1
+
+
+def test_a_batch_jobs_progress_is_a_line_from_rank_0_with_the_logged_values():
+    """The README's training cell as a batch job: there is no notebook to draw the bar
+    or the loss plot, so rank 0 writes the loop's progress with the newest logged values
+    to stderr, a line at the end (and every few seconds of a longer loop), once."""
+    cell = (
+        "import torch\n"
+        "model = mpilab.DataParallel(torch.nn.Linear(64, 10))\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for step in mpilab.progress(range(20), desc='train'):\n"
+        "    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))\n"
+        "    loss = torch.nn.functional.cross_entropy(model(x), y)\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    mpilab.log(loss=loss)\n"
+        "report(round(loss.item(), 4))\n"
+    )
+    results, job = run_ranks(cell, n=2, check=False)
+    assert job.returncode == 0, job.stderr[-3000:]
+    lines = [line for line in job.stderr.splitlines() if line.startswith("train:")]
+    assert len(lines) == 1, job.stderr
+    found = re.fullmatch(r"train: 20/20 \(100%\) · [\d.]+ s · [\d.]+(/s| s each) · loss "
+                         r"([\d.e-]+)", lines[0])
+    assert found and abs(float(found.group(2)) - results[0]) < 1e-3, (lines, results)
 
 
 def test_doctor_reports_what_it_found():

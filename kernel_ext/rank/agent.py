@@ -55,6 +55,9 @@ class RankState:
     request: str = ""  # the running cell's execute request (msg id): the notebook's name for it
     # the last collectives of the main thread: [seq, op, nbytes], for mismatch reports
     recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=16))
+    # the newest value of each scalar `mpilab.log` was given (a batch script's progress
+    # lines show them)
+    logged: dict = field(default_factory=dict)
 
 
 class Agent:
@@ -322,7 +325,8 @@ def install(agent: Agent) -> Agent:
 
 def log(step: int | None = None, **scalars: float) -> None:
     """Send loss and friends to the dashboard: numbers, or one-element tensors such as a
-    loss as it is (no-op in a batch job)."""
+    loss as it is (in a batch job, where nothing is sent, the newest values show in
+    rank 0's `mpilab.progress` lines)."""
     agent = current()
     if step is None:
         step = agent.state.step
@@ -334,6 +338,7 @@ def log(step: int | None = None, **scalars: float) -> None:
         except (TypeError, ValueError):
             raise TypeError(f"mpilab.log({name}=…) takes a number (a float, an int or a "
                             f"one-element tensor), got {_described(value)}") from None
+    agent.state.logged.update(values)
     agent.emit("log", step=int(step), values=values)
 
 

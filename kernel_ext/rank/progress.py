@@ -3,10 +3,17 @@
 Every rank iterates; rank 0 reports its position over the record channel (at most
 five times a second), and the notebook draws one bar under the cell that updates in
 place: one bar for the run, however many ranks, kept in the saved notebook as text.
+
+In a batch script there is no notebook to draw it: rank 0 writes a line to stderr every
+`PRINT_INTERVAL_S` and one when the loop ends, with the newest values `mpilab.log` was
+given (`train: 40/100 (40%) · 12.0 s · 3.33/s · loss 0.3123`). Lines, not a bar redrawn
+with carriage returns: mpiexec passes a rank's output on through pipes, into a
+terminal or a job's log file, where one line every few seconds stays readable.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
@@ -15,6 +22,7 @@ from . import agent as agent_mod
 
 T = TypeVar("T")
 REPORT_INTERVAL_S = 0.2
+PRINT_INTERVAL_S = 10.0  # a batch script's progress lines
 
 
 def progress(iterable: Iterable[T], total: int | None = None, desc: str = "") -> Iterator[T]:
@@ -38,6 +46,9 @@ def _progress(iterable: Iterable[T], total: int | None, desc: str) -> Iterator[T
     if agent.rank != 0:
         yield from iterable
         return
+    if agent.address is None:
+        yield from _printed(iterable, total, desc, agent.state.logged)
+        return
     start = last = time.time()
     n = 0
 
@@ -54,3 +65,32 @@ def _progress(iterable: Iterable[T], total: int | None, desc: str) -> Iterator[T
             last = now
             report()
     report()
+
+
+def _printed(iterable: Iterable[T], total: int, desc: str, logged: dict) -> Iterator[T]:
+    """A batch script's progress: lines on stderr (the module's docstring)."""
+    start = last = time.perf_counter()
+    n = 0
+    try:
+        for item in iterable:
+            yield item
+            n += 1
+            now = time.perf_counter()
+            if now - last >= PRINT_INTERVAL_S:
+                last = now
+                print(progress_line(desc, n, total, now - start, logged), file=sys.stderr,
+                      flush=True)
+    finally:  # the loop's end, or a `break` out of it
+        print(progress_line(desc, n, total, time.perf_counter() - start, logged),
+              file=sys.stderr, flush=True)
+
+
+def progress_line(desc: str, n: int, total: int, elapsed: float, logged: dict) -> str:
+    """'train: 40/100 (40%) · 12.0 s · 3.33/s · loss 0.3123' (a slower loop: '· 65.2 s ·
+    21.7 s each')."""
+    where = f"{n}/{total} ({100 * n // total}%)" if total else f"{n}"
+    rate = ""
+    if elapsed > 0 and n:
+        rate = f" · {n / elapsed:.3g}/s" if n >= elapsed else f" · {elapsed / n:.3g} s each"
+    values = "".join(f" · {name} {value:.4g}" for name, value in logged.items())
+    return f"{desc or 'progress'}: {where} · {elapsed:.1f} s{rate}{values}"
