@@ -994,6 +994,23 @@ def test_rank_helpers_take_what_a_training_loop_passes():
     assert list(progress("ab")) == ["a", "b"]
 
 
+def test_a_batch_scripts_progress_line_reads_at_any_pace(capsys):
+    """Without a notebook (here: no agent address) rank 0's loop ends with a line on
+    stderr: steps, share, time, pace (per second, or seconds each for a slow loop) and
+    the newest logged values; a loop left with `break` says where it stopped."""
+    from mpilab.rank.progress import progress_line
+
+    assert progress_line("train", 40, 100, 12.0, {"loss": 0.31234}) == \
+        "train: 40/100 (40%) · 12.0 s · 3.33/s · loss 0.3123"
+    assert progress_line("epoch", 3, 10, 65.2, {}) == "epoch: 3/10 (30%) · 65.2 s · 21.7 s each"
+    assert progress_line("", 2000, 0, 0.5, {"acc": 0.9}) == \
+        "progress: 2000 · 0.5 s · 4000/s · acc 0.9"
+    for step in progress(range(10), desc="early"):
+        if step == 3:
+            break
+    assert capsys.readouterr().err.startswith("early: 3/10 (30%) · ")
+
+
 def _ipyparallel_accumulates(text: str, chunk: str) -> str:
     """What ipyparallel's client keeps of a rank's stream as a chunk arrives: the text so
     far plus the chunk, and when the chunk holds a carriage return, every line cut to

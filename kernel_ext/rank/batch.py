@@ -124,6 +124,7 @@ def _leave_together(comm: Any) -> None:
     if MPI.Is_finalized():  # the script ended MPI itself: nothing is left to wait in
         return
     for watch in _watch:
+        watch.stop()
         watch.record_end()
     ended = comm.Ibarrier()
     while not ended.Test():

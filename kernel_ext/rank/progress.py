@@ -91,6 +91,8 @@ def progress_line(desc: str, n: int, total: int, elapsed: float, logged: dict) -
     where = f"{n}/{total} ({100 * n // total}%)" if total else f"{n}"
     rate = ""
     if elapsed > 0 and n:
-        rate = f" · {n / elapsed:.3g}/s" if n >= elapsed else f" · {elapsed / n:.3g} s each"
+        per_s = n / elapsed
+        rate = (f" · {per_s:.0f}/s" if per_s >= 100 else f" · {per_s:.3g}/s" if per_s >= 1
+                else f" · {elapsed / n:.3g} s each")
     values = "".join(f" · {name} {value:.4g}" for name, value in logged.items())
     return f"{desc or 'progress'}: {where} · {elapsed:.1f} s{rate}{values}"

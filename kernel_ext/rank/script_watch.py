@@ -35,6 +35,7 @@ from typing import Any
 from ..wire import collective_words, mismatch_line
 
 CHECK_S = 1.0  # how often the thread looks, and how long a wait is before it is checked
+STOP_WAIT_S = 2.0  # the longest a rank's exit waits for a store request in flight
 _PREFIX = "mpilab-script/"
 
 
@@ -82,9 +83,20 @@ class Watch:
         self.state = state  # the agent's RankState: `seq` and `current` of the main thread
         self.end_job = end_job  # says the line (with what comes after it) and ends the job
         self._ended: list[tuple[int, int]] = []  # the records read so far, in slot order
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="mpilab-script-watch",
+                                        daemon=True)
 
     def start(self) -> None:
-        threading.Thread(target=self._run, name="mpilab-script-watch", daemon=True).start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the thread before the interpreter does: a daemon thread inside a store
+        request (C++) when the interpreter ends would end the process with
+        std::terminate, as gloo's threads did (torch_group.release_at_exit)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(STOP_WAIT_S)
 
     def record_end(self) -> None:
         """This rank ended its script: a slot of its own (an atomic count), then its
@@ -114,8 +126,7 @@ class Watch:
 
     def _run(self) -> None:
         announced = 0  # the last collective number recorded: each is recorded once
-        while True:
-            time.sleep(CHECK_S)
+        while not self._stop.wait(CHECK_S):
             current, seq = self.state.current, self.state.seq
             if current is None:
                 continue
@@ -131,12 +142,13 @@ class Watch:
                 stuck = stuck or ended_before(self.rank, seq,
                                               collective_words(what[0], seq, what[1]),
                                               self._read_ended())
+                still_in = (self.state.current is current and self.state.seq == seq
+                            and current.start == start)  # one that completed was not stuck
+                if stuck is None or not still_in:
+                    continue
+                first = self.store.add("said", 1) == 1  # one line, from the first to find it
             except Exception:  # noqa: BLE001 - rank 0 and its store are gone: the job ends
                 return
-            still_in = (self.state.current is current and self.state.seq == seq
-                        and current.start == start)  # one that completed was not stuck
-            if stuck is None or not still_in:
-                continue
-            if self.store.add("said", 1) == 1:  # one line, from the first rank to find it
+            if first:
                 self.end_job(stuck.line)
             return
