@@ -46,43 +46,32 @@ def _progress(iterable: Iterable[T], total: int | None, desc: str) -> Iterator[T
     if agent.rank != 0:
         yield from iterable
         return
-    if agent.address is None:
-        yield from _printed(iterable, total, desc, agent.state.logged)
-        return
+    if agent.address is None:  # a batch script: lines on stderr (the module's docstring)
+        interval = PRINT_INTERVAL_S
+
+        def report(n: int, elapsed: float) -> None:
+            print(progress_line(desc, n, total, elapsed, agent.state.logged),
+                  file=sys.stderr, flush=True)
+    else:
+        interval = REPORT_INTERVAL_S
+
+        def report(n: int, elapsed: float) -> None:
+            agent.emit("event", what="progress", n=n, total=int(total or 0), desc=desc,
+                       elapsed=elapsed)
+
+        report(0, 0.0)  # the bar appears as the loop begins
     start = last = time.time()
-    n = 0
-
-    def report() -> None:
-        agent.emit("event", what="progress", n=n, total=int(total or 0), desc=desc,
-                   elapsed=time.time() - start)
-
-    report()
-    for item in iterable:
-        yield item
-        n += 1
-        now = time.time()
-        if now - last >= REPORT_INTERVAL_S:
-            last = now
-            report()
-    report()
-
-
-def _printed(iterable: Iterable[T], total: int, desc: str, logged: dict) -> Iterator[T]:
-    """A batch script's progress: lines on stderr (the module's docstring)."""
-    start = last = time.perf_counter()
     n = 0
     try:
         for item in iterable:
             yield item
             n += 1
-            now = time.perf_counter()
-            if now - last >= PRINT_INTERVAL_S:
+            now = time.time()
+            if now - last >= interval:
                 last = now
-                print(progress_line(desc, n, total, now - start, logged), file=sys.stderr,
-                      flush=True)
-    finally:  # the loop's end, or a `break` out of it
-        print(progress_line(desc, n, total, time.perf_counter() - start, logged),
-              file=sys.stderr, flush=True)
+                report(n, now - start)
+    finally:  # the loop's end, or a `break` out of it: where it stopped
+        report(n, time.time() - start)
 
 
 def progress_line(desc: str, n: int, total: int, elapsed: float, logged: dict) -> str:
