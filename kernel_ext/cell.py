@@ -26,7 +26,6 @@ from .relay import (
     discard,
     strip_ansi,
 )
-from .selection import rank_label
 from .watchdog import (
     DEFAULT_HANG_TIMEOUT_S,
     Ending,
@@ -35,7 +34,7 @@ from .watchdog import (
     describe,
     last_checkpoint,
 )
-from .wire import INPUT_MARKER, NO_RECORDS
+from .wire import INPUT_MARKER, NO_RECORDS, rank_label
 
 TICK_S = 0.05  # relay cadence: output and dashboard data reach the notebook within ~0.05 s
 INTERRUPT_GRACE_S = 3.0

@@ -28,8 +28,14 @@ from .metrics_store import MetricsStore
 from .placement import ClusterError
 from .rank_input import InputDesk
 from .receiver import RecordReceiver
-from .selection import host_list, rank_label
-from .wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, exit_reports, gpu_spec
+from .selection import host_list
+from .wire import (
+    COLLECTIVE_TIMEOUT_ENV,
+    DEFAULT_COLLECTIVE_TIMEOUT_S,
+    exit_reports,
+    gpu_spec,
+    rank_label,
+)
 
 LAUNCHERS = ("mpi", "slurm")
 

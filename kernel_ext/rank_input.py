@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from .selection import rank_label
-from .wire import MAX_INPUT_BYTES, input_answer, read_input
+from .wire import MAX_INPUT_BYTES, input_answer, rank_label, read_input
 
 # the ranks' questions are put to the user once every rank still running has asked, or
 # none has come for this long (a thousand ranks' markers arrive over more than a moment)

@@ -8,7 +8,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .selection import rank_label
+from .wire import rank_label
 
 HOLD_S = 0.3  # how long a line waits for identical lines from the other ranks
 DEFAULT_OUTPUT_CAP = 4_000_000  # characters per cell, all ranks together

@@ -28,8 +28,8 @@ from .cell import (
 from .cell_window import CellWindow
 from .cluster import ClusterError, RankCluster, interrupts_held
 from .live import LiveViews
-from .selection import parse_ranks, rank_label
-from .wire import CELL_LABEL, CELL_LABEL_PREFIX
+from .selection import parse_ranks
+from .wire import CELL_LABEL, CELL_LABEL_PREFIX, rank_label
 
 RECENT_RUNS = 64  # cells remembered for `%mpilab dashboard` (the newest with metrics)
 

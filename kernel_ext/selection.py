@@ -1,11 +1,13 @@
-"""Which ranks a cell runs on, read from `%%ranks SPEC` and written back in messages:
-`all`, `0`, `0,2`, `1-3` in; `0-2,5` and "ranks 0-2,5" out; and the hosts they run on,
-as messages name them."""
+"""Which ranks a cell runs on, read from `%%ranks SPEC`: `all`, `0`, `0,2`, `1-3`; and
+the hosts they run on, as messages name them. (Ranks as messages name them, "ranks
+0-2,5", are mpilab.wire's: the ranks' own lines name them so too.)"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+
+from .wire import format_ranks
 
 
 def parse_ranks(spec: str | None, world_size: int) -> list[int]:
@@ -29,25 +31,6 @@ def parse_ranks(spec: str | None, world_size: int) -> list[int]:
             raise ValueError(f"{missing} not exist: the cluster has {has}")
         ranks.update(range(lo, hi + 1))
     return sorted(ranks)
-
-
-def format_ranks(ranks: Iterable[int]) -> str:
-    """[0,1,2,5] → '0-2,5'."""
-    ranks = sorted(ranks)
-    parts, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            parts.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(parts)
-
-
-def rank_label(ranks: Iterable[int]) -> str:
-    """'rank 3' or 'ranks 0-2,5': how every message names ranks."""
-    ranks = list(ranks)
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
 
 
 HOSTS_LISTED = 4  # up to this many hosts a message names each; beyond, in ranges

@@ -24,9 +24,9 @@ from .cluster import (
 from .live import TextInPlace
 from .placement import slurm_job_ended
 from .runner import CellRunner, RanksError
-from .selection import parse_ranks, rank_label
+from .selection import parse_ranks
 from .watchdog import DEFAULT_HANG_TIMEOUT_S
-from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes, size_text
+from .wire import BENCH_STOP_GRACE_S, parse_backends, parse_sizes, rank_label, size_text
 
 if TYPE_CHECKING:
     from ipyparallel import AsyncResult

@@ -17,8 +17,7 @@ from typing import Literal
 from .cell_window import CellWindow
 from .cluster import engine_alive
 from .placement import slurm_job_ended
-from .selection import rank_label
-from .wire import exit_reports, mismatch_line
+from .wire import exit_reports, mismatch_line, rank_label
 
 DEFAULT_HANG_TIMEOUT_S = 30.0
 # a rank neither in a collective nor at a line that calls one when its peer failed: time

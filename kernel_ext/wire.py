@@ -7,8 +7,8 @@
   rank's outputs, and the notebook's answer.
 - The environment a launcher hands the ranks.
 - The lines the ranks write for the notebook side to read: a rank's supervisor's when its
-  engine ends, rank 0's measurements under `mpilab bench`; and how either side names a
-  collective and a mismatch of them.
+  engine ends, rank 0's measurements under `mpilab bench`; and how either side names
+  ranks, a collective and a mismatch of them.
 
 Light to import: the ranks' supervisor imports it before anything else and every rank's
 agent imports it; msgpack is imported only where a message is made or read.
@@ -22,6 +22,7 @@ import math
 import re
 import socket
 from array import array
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 # -- the record channel: kinds and fields ------------------------------------------------
@@ -261,7 +262,27 @@ def read_input(raw: bytes) -> dict:
     return message
 
 
-# -- collectives in words: the notebook's watchdog and a batch script's watch say the same --
+# -- ranks and collectives in words: the notebook's messages and the ranks' own lines ------
+def format_ranks(ranks: Iterable[int]) -> str:
+    """[0,1,2,5] → '0-2,5'."""
+    ranks = sorted(ranks)
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(parts)
+
+
+def rank_label(ranks: Iterable[int]) -> str:
+    """'rank 3' or 'ranks 0-2,5': how every message names ranks."""
+    ranks = list(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+
+
+
 def collective_words(op: str, seq: int, nbytes: int) -> str:
     """'allreduce #12 (4,096 bytes)': a collective by its name and number (its place in
     the program's order, the same on every rank)."""

@@ -297,6 +297,27 @@ report("ended")
             "(4 bytes) that rank 1 never began: ending all 2 ranks") in job.stderr, job.stderr
 
 
+def test_a_batch_script_rank_that_never_reaches_a_collective_is_named_at_the_timeout():
+    """A rank stuck before a collective (a deadlock in its own code, a file system that
+    hangs) while the others wait in it: they waited for good. Past the collective
+    timeout, which torch.distributed's collectives keep too, the job ends naming it."""
+    results, job = run_ranks("""
+import time, torch
+x = mpilab.allreduce(torch.ones(1))
+if ctx.rank == 2:
+    time.sleep(60)
+mpilab.allreduce(x)
+report("done")
+""", n=3, timeout=120, check=False, init="mpilab.init(collective_timeout=3)")
+    assert job.returncode == 1, (job.returncode, job.stderr[-3000:])
+    assert results == [None, None, None]
+    said = [line for line in job.stderr.splitlines() if line.startswith("mpilab:")]
+    assert said == ["mpilab: rank 2 did not reach allreduce #2 (4 bytes) within 3 s, while 2 "
+                    "other ranks waited in it (the collective timeout: "
+                    "mpilab.init(collective_timeout=…) or $MPILAB_COLLECTIVE_TIMEOUT sets "
+                    "it): ending all 3 ranks"], job.stderr
+
+
 def test_a_batch_script_that_ends_mpi_itself_ends_quietly():
     """`MPI.Finalize()` at the end of a script, as some MPI programs do: the ranks end
     with status 0 and nothing on stderr (mpilab's exit does no MPI call after it)."""

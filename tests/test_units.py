@@ -24,9 +24,10 @@ from mpilab.relay import (
     StreamCursor,
     overwritten,
 )
-from mpilab.selection import format_ranks, parse_ranks
+from mpilab.selection import parse_ranks
 from mpilab.session import _run_on_ranks
 from mpilab.watchdog import Watchdog
+from mpilab.wire import format_ranks
 
 
 @pytest.mark.parametrize("spec, ranks", [
@@ -1335,12 +1336,13 @@ def test_a_scripts_ranks_learn_from_the_store_what_can_never_complete():
     one, or a rank that ended after beginning it, is no reason."""
     import torch.distributed as dist
     from mpilab.rank.agent import RankState
-    from mpilab.rank.script_watch import Watch, ended_before
+    from mpilab.rank.script_watch import Watch, ended_before, not_reached
     from mpilab.wire import collective_words
 
     store = dist.HashStore()
     states = [RankState(seq=5), RankState(seq=3), RankState(seq=5)]
-    watches = [Watch(store, rank, state, end_job=print) for rank, state in enumerate(states)]
+    watches = [Watch(store, rank, 3, state, end_job=print, timeout_s=1800)
+               for rank, state in enumerate(states)]
     assert watches[0].announce(("dp_allreduce", 388), 5) is None  # the first at number 5
     assert watches[2].announce(("dp_allreduce", 388), 5) is None
     watches[1].record_end()  # rank 1 ended its script after 3 collectives
@@ -1358,6 +1360,14 @@ def test_a_scripts_ranks_learn_from_the_store_what_can_never_complete():
         "rank 1 ended the script, but rank 0 waits for it in dp_allreduce #5 (4,096 bytes) "
         "that rank 1 never began")
     assert ended_before(0, 3, "allreduce #3 (4 bytes)", [(1, 3)]) is None  # it began #3
+    # past the collective timeout: the ranks that never said they are in it
+    assert watches[0].missing(5) == [1]
+    assert not_reached([1], 3, what, 1800).line == (
+        "rank 1 did not reach dp_allreduce #5 (4,096 bytes) within 1800 s, while 2 other "
+        "ranks waited in it (the collective timeout: mpilab.init(collective_timeout=…) or "
+        "$MPILAB_COLLECTIVE_TIMEOUT sets it)")
+    assert not_reached([], 3, what, 2.5).line.startswith(
+        "dp_allreduce #5 (4,096 bytes) has not completed within 2.5 s, with every rank in it")
 
 
 @pytest.mark.parametrize("slurm_conf, says", [

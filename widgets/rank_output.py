@@ -27,7 +27,7 @@ import uuid
 
 import anywidget
 import traitlets
-from mpilab.selection import format_ranks
+from mpilab.wire import format_ranks
 
 from .plotting import WIDGET_VIEW_MIME
 

@@ -18,7 +18,8 @@ there, and the watchdog releases the peers. A script has neither, so:
   never began (`if rank == 0: mpilab.allreduce(…)`, or data that ran out a step early
   on one rank), or ranks in different collectives at the same point, would wait for
   good, and the ended rank in MPI's finalization; the line names both, and the job
-  ends as above.
+  ends as above. So do ranks that have not reached a collective within the collective
+  timeout, which torch.distributed's own collectives keep in mpilab's ranks.
 - **the torch.distributed groups end before the interpreter does**
   (torch_group.release_at_exit): left to its teardown, a gloo group aborted the process
   about half the time.
@@ -131,9 +132,10 @@ def _leave_together(comm: Any) -> None:
         time.sleep(EXIT_POLL_S)
 
 
-def watch(ctx: RankContext) -> None:
+def watch(ctx: RankContext, collective_timeout: float) -> None:
     """Start this rank's script watch (script_watch.py): once the bootstrap has made the
-    rendezvous store, which it reads and writes."""
+    rendezvous store, which it reads and writes. `collective_timeout`: how long a rank
+    may wait in one of mpilab's collectives (torch's own wait as long)."""
     if ctx.world_size < 2 or ctx.store is None or _watch:
         return
     from .agent import current
@@ -143,7 +145,8 @@ def watch(ctx: RankContext) -> None:
               flush=True)
         _end_every_rank(ctx.comm)
 
-    _watch.append(Watch(ctx.store, ctx.rank, current().state, end_job))
+    _watch.append(Watch(ctx.store, ctx.rank, ctx.world_size, current().state, end_job,
+                        collective_timeout))
     _watch[0].start()
 
 

@@ -65,11 +65,13 @@ def init(
     ``%mpilab start`` calls it on every engine. `timeout` bounds the start (the
     rendezvous); `collective_timeout` is how long torch.distributed's own collectives may
     wait before torch gives up on them (default 30 minutes, or $MPILAB_COLLECTIVE_TIMEOUT):
-    mpilab's watchdog releases hung ranks long before, and a slow first step of a large
-    model must not be taken for a hang. `start_hooks` run last, in order, with the
-    context on every rank (default: ``default_start_hooks()``). In a script (no
-    notebook), a rank that fails ends the job, and a start that cannot work is one line
-    (batch.py), and at exit the torch.distributed groups end before MPI does.
+    in a notebook mpilab's watchdog releases hung ranks long before, and a slow first step
+    of a large model must not be taken for a hang. `start_hooks` run last, in order, with
+    the context on every rank (default: ``default_start_hooks()``). In a script (no
+    notebook), a rank that fails ends the job, a start that cannot work is one line, a
+    collective that can never complete or is not reached within `collective_timeout` ends
+    the job naming the ranks (batch.py), and at exit the torch.distributed groups end
+    before MPI does.
     """
     if is_initialized():
         return context()
@@ -146,7 +148,7 @@ def init(
     if notebook is None:
         from . import batch
 
-        batch.watch(ctx)
+        batch.watch(ctx, collective_timeout)
     from .waiting import on_recover
 
     on_recover(_align_collective_numbers)

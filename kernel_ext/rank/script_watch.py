@@ -9,14 +9,18 @@ process: it answers while rank 0 computes):
 
 - a rank that ends its script, how many collectives it began (`Watch.record_end`, from
   batch.py's exit);
-- a rank that has waited in a collective for `CHECK_S`, which collective it is in, at
-  that collective's number (the first rank's is kept: ``compare_set``).
+- a rank that has waited in a collective for `CHECK_S`, that it is in it, and which
+  collective it is, at that collective's number (the first rank's is kept:
+  ``compare_set``).
 
 A thread looks at the main thread's collective in progress every `CHECK_S`; one waited
-in that long is checked against both records. A rank that ended before beginning it,
+in that long is checked against those records. A rank that ended before beginning it,
 or a rank in another collective at the same number, means it never completes: every
-rank would wait for good (and under torchrun until torch's timeout). The first rank to
-find it says so in one line, and the job ends as it does when a rank fails.
+rank would wait for good (and under torchrun until torch's timeout). A collective
+waited in past the collective timeout (`mpilab.init(collective_timeout=…)`, 30 minutes
+by default: what torch.distributed's own collectives wait in mpilab's ranks) names the
+ranks that never arrived. The first rank to find one of these says so in one line, and
+the job ends as it does when a rank fails.
 
 It sees what mpilab numbers: its collectives and DataParallel's (the collectives'
 numbers are the program's order, the same on every rank). A peer in torch's or MPI's
@@ -32,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..wire import collective_words, mismatch_line
+from ..wire import collective_words, mismatch_line, rank_label
 
 CHECK_S = 1.0  # how often the thread looks, and how long a wait is before it is checked
 STOP_WAIT_S = 2.0  # the longest a rank's exit waits for a store request in flight
@@ -71,15 +75,32 @@ def other_collective(rank: int, what: tuple[str, int], seq: int,
                  + ": every rank must call the same collectives in the same order")
 
 
+def not_reached(missing: list[int], world_size: int, what: str,
+                timeout_s: float) -> Stuck:
+    """The collective `what` (in words) waited in for `timeout_s`; `missing`: the ranks
+    that have not said they are in it."""
+    why = ("the collective timeout: mpilab.init(collective_timeout=…) or "
+           "$MPILAB_COLLECTIVE_TIMEOUT sets it")
+    if not missing:
+        return Stuck(f"{what} has not completed within {timeout_s:g} s, with every rank "
+                     f"in it ({why})")
+    waited = world_size - len(missing)
+    return Stuck(f"{rank_label(missing)} did not reach {what} within {timeout_s:g} s, "
+                 f"while {waited} other rank{'s' if waited != 1 else ''} waited in it "
+                 f"({why})")
+
+
 class Watch:
     """The records in the store, and the thread that checks this rank's long waits."""
 
-    def __init__(self, store: Any, rank: int, state: Any,
-                 end_job: Callable[[str], None]) -> None:
+    def __init__(self, store: Any, rank: int, world_size: int, state: Any,
+                 end_job: Callable[[str], None], timeout_s: float) -> None:
         import torch.distributed as dist
 
         self.store = dist.PrefixStore(_PREFIX, store)
         self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = timeout_s  # the collective timeout
         self.state = state  # the agent's RankState: `seq` and `current` of the main thread
         self.end_job = end_job  # says the line (with what comes after it) and ends the job
         self._ended: list[tuple[int, int]] = []  # the records read so far, in slot order
@@ -118,11 +139,18 @@ class Watch:
         return self._ended
 
     def announce(self, what: tuple[str, int], seq: int) -> Stuck | None:
-        """Record this rank's (op, bytes) at collective number `seq`; another collective
-        recorded there first is a mismatch."""
+        """Record that this rank is in collective number `seq`, and its (op, bytes);
+        another collective recorded there first is a mismatch."""
         op, nbytes = what
+        self.store.set(f"in/{seq}/{self.rank}", "")
         first = self.store.compare_set(f"at/{seq}", "", f"{self.rank} {op} {nbytes}")
         return other_collective(self.rank, what, seq, first.decode())
+
+    def missing(self, seq: int) -> list[int]:
+        """The ranks that have not recorded that they are in collective number `seq`
+        (a request a rank: asked once, by the rank that names them)."""
+        return [rank for rank in range(self.world_size)
+                if not self.store.check([f"in/{seq}/{rank}"])]
 
     def _run(self) -> None:
         announced = 0  # the last collective number recorded: each is recorded once
@@ -139,14 +167,17 @@ class Watch:
                 if seq != announced:
                     announced = seq
                     stuck = self.announce(what, seq)
-                stuck = stuck or ended_before(self.rank, seq,
-                                              collective_words(what[0], seq, what[1]),
-                                              self._read_ended())
+                words = collective_words(what[0], seq, what[1])
+                stuck = stuck or ended_before(self.rank, seq, words, self._read_ended())
+                timed_out = time.time() - start >= self.timeout_s
                 still_in = (self.state.current is current and self.state.seq == seq
                             and current.start == start)  # one that completed was not stuck
-                if stuck is None or not still_in:
+                if (stuck is None and not timed_out) or not still_in:
                     continue
                 first = self.store.add("said", 1) == 1  # one line, from the first to find it
+                if first and stuck is None:
+                    stuck = not_reached(self.missing(seq), self.world_size, words,
+                                        self.timeout_s)
             except Exception:  # noqa: BLE001 - rank 0 and its store are gone: the job ends
                 return
             if first:
