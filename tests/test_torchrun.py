@@ -18,7 +18,7 @@ from pathlib import Path
 import nbformat
 from listeners import is_hydra, listeners_of
 from mpilab.rank import torchrun
-from mpirun import run_ranks
+from mpirun import MPIEXEC, run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "torchrun_scripts"
@@ -330,6 +330,36 @@ for _ in range(20):
     dist.all_reduce(t)
 dist.destroy_process_group()
 """
+
+
+def test_a_torchrun_script_runs_unchanged_as_a_batch_job_with_mpilab_launch(tmp_path):
+    """`torchrun --nproc-per-node 2 train.py --epochs 2` as `mpiexec -n 2 python -m
+    mpilab.launch train.py --epochs 2`, from another folder: the script's own argv and
+    env:// rendezvous, every sample once an epoch, mpilab's note said once for the job.
+    A rank that fails ends the job with the script's frames only; a torchrun option in
+    the script's place is one line."""
+    def launch(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpilab.launch",
+                               *args], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=180)
+
+    ran = launch(str(TRAIN), "--epochs", "2")
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    for epoch in (0, 1):
+        assert f"epoch {epoch}: loss " in ran.stdout and ran.stdout.count(
+            "every sample once: True") == 2, ran.stdout
+    assert ran.stderr.count(REUSED) == 1, ran.stderr
+    failed = launch(str(TRAIN), "--fail-rank", "1")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "RuntimeError: rank 1 failed in backward" in failed.stderr
+    assert "mpilab: rank 1 ended with RuntimeError: ending all 2 ranks" in failed.stderr
+    assert 'train.py", line' in failed.stderr, failed.stderr
+    assert "runpy" not in failed.stderr and "kernel_ext" not in failed.stderr, failed.stderr
+    wrong = launch("--nproc-per-node", "2", str(TRAIN))
+    assert wrong.returncode == 2 and wrong.stderr.splitlines() == [
+        "mpilab.launch: --nproc-per-node is an option, not a script: usage: mpiexec -n N "
+        "python -m mpilab.launch SCRIPT [ARGUMENTS …] (mpiexec's -n sets how many ranks run "
+        "it, as torchrun's --nproc-per-node did)"], wrong.stderr
 
 
 def test_a_batch_job_ends_cleanly_right_after_gloo_collectives(tmp_path):

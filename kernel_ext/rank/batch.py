@@ -76,8 +76,10 @@ def install(comm: Any, rank: int, world_size: int) -> None:
             print(f"mpilab.init(): {value}", file=sys.stderr, flush=True)
             return
         # the traceback as the script would print it, without mpilab's frames (as a
-        # notebook cell's)
-        previous(kind, value, user_frames(tb))
+        # notebook cell's); on the exception too, which is what Python's own hook prints
+        # from (its outermost frame may be one left out: runpy's, under `python -m`)
+        tb = user_frames(tb)
+        previous(kind, value.with_traceback(tb), tb)
         if world_size > 1:
             what = ("was interrupted" if issubclass(kind, KeyboardInterrupt)
                     else f"ended with {kind.__name__}")

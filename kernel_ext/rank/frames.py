@@ -12,8 +12,8 @@ _HIDDEN_PACKAGES = ("mpilab", "ipyparallel", "IPython", "ipykernel", "zmq", "tor
 
 def hidden_frame(filename: str) -> bool:
     """Whether a traceback leaves out a frame of this file."""
-    if filename.startswith(_MPILAB_DIR):
-        return True
+    if filename.startswith(_MPILAB_DIR) or filename == "<frozen runpy>":
+        return True  # runpy: how `python -m mpilab.launch` runs a script
     parts = filename.replace("\\", "/").split("/")
     return any(p in _HIDDEN_PACKAGES for p in parts) or "site-packages/torch/_" in filename
 

@@ -107,10 +107,14 @@ _noted: set[tuple[int, str]] = set()
 
 def note(text: str) -> None:
     """One line on stderr, at most once per cell for the same text (identical lines of
-    several ranks are shown once by the notebook, naming the ranks)."""
+    several ranks are shown once by the notebook, naming the ranks; in a batch script,
+    where nothing merges them, rank 0 says it: every rank's note is the same)."""
     from . import agent as agent_mod
 
-    cell = agent_mod.current().state.cell
+    agent = agent_mod.current()
+    if agent.address is None and agent.rank != 0:
+        return
+    cell = agent.state.cell
     if (cell, text) in _noted:
         return
     if len(_noted) > 64:
