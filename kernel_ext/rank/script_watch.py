@@ -24,8 +24,9 @@ the job ends as it does when a rank fails.
 
 It sees what mpilab numbers: its collectives and DataParallel's (the collectives'
 numbers are the program's order, the same on every rank). A peer in torch's or MPI's
-own collectives shows nothing. Cost: nothing on a collective's path; a store request
-once for a wait of a second or more, and once at exit.
+own collectives shows nothing. Cost: nothing on a collective's path; three store
+requests when a wait reaches a second, one a second after that, two at exit; the store
+keeps two short keys for each collective some rank waited a second in.
 """
 
 from __future__ import annotations
