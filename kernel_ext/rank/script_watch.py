@@ -26,7 +26,8 @@ It sees what mpilab numbers: its collectives and DataParallel's (the collectives
 numbers are the program's order, the same on every rank). A peer in torch's or MPI's
 own collectives shows nothing. Cost: nothing on a collective's path; three store
 requests when a wait reaches a second, one a second after that, two at exit; the store
-keeps two short keys for each collective some rank waited a second in.
+keeps a short key for each rank that waited a second in a collective, and one for the
+collective.
 """
 
 from __future__ import annotations
