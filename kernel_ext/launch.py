@@ -42,9 +42,10 @@ def main(argv: list[str]) -> int:
 
 
 def _say(line: str, status: int) -> int:
-    """`line` once for the job (from the launcher's first process, as mpiexec's or
-    srun's variables say: MPI is not up yet)."""
-    if (os.environ.get("PMI_RANK") or os.environ.get("SLURM_PROCID") or "0") == "0":
+    """`line` once for the job, from the launcher's first process (MPI is not up yet)."""
+    from .rank.batch import launcher_rank
+
+    if launcher_rank() == 0:
         print(line, file=sys.stderr)
     return status
 

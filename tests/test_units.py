@@ -1312,6 +1312,7 @@ def test_a_controller_ip_the_ranks_hosts_do_not_reach_is_named_in_the_start_line
      "a world of one: start the script with ", 2),
     ({"SLURM_STEP_NUM_TASKS": "x", "WORLD_SIZE": "2", "SLURM_PROCID": "0", "RANK": "1"},
      None, 0),  # the first variable set is the launcher's
+    ({"PMI_RANK": "3", "SLURM_PROCID": "0"}, None, 3),  # hydra's, under srun's step
     ({}, None, 0),
 ])
 def test_processes_a_launcher_started_apart_are_named_with_the_command(environ, says,

@@ -177,8 +177,9 @@ def launched_apart(world_size: int, environ: Mapping[str, str] = os.environ) -> 
 
 
 def launcher_rank(environ: Mapping[str, str] = os.environ) -> int:
-    """This process's rank among the launcher's (0 where none says)."""
-    for name in ("SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK"):
+    """This process's rank among the launcher's (0 where none says): hydra's, srun's,
+    torchrun's or Open MPI's variable, read before MPI is up or where MPI sees apart."""
+    for name in ("PMI_RANK", "SLURM_PROCID", "RANK", "OMPI_COMM_WORLD_RANK"):
         if environ.get(name) is not None:
             return _count(environ.get(name))
     return 0
