@@ -280,8 +280,8 @@ report("got through")
 
 def test_a_batch_script_rank_that_ends_while_another_waits_for_it_is_named():
     """`if rank == 0: mpilab.allreduce(loss)` at the end of a script: rank 1 ended, rank 0
-    waited in the allreduce and rank 1 in MPI's finalization, for good. The job ends at
-    once, naming both; a rank that only works longer at the end is waited for."""
+    waited in the allreduce and rank 1 in MPI's finalization, for good. The job ends
+    within seconds, naming both; a rank that only works longer at the end is waited for."""
     results, job = run_ranks("""
 import time, torch
 loss = torch.ones(1)
@@ -316,6 +316,27 @@ report("done")
                     "other ranks waited in it (the collective timeout: "
                     "mpilab.init(collective_timeout=…) or $MPILAB_COLLECTIVE_TIMEOUT sets "
                     "it): ending all 3 ranks"], job.stderr
+
+
+def test_a_batch_script_whose_ranks_wait_seconds_for_a_slow_one_runs_to_its_end():
+    """What the script's watch must not take for a hang: ranks that wait seconds in an
+    allreduce and in DataParallel's step for a rank that comes late, and one that ends
+    first and waits for the others at exit. The job ends with status 0 and no line."""
+    results, job = run_ranks("""
+import time, torch
+model = mpilab.DataParallel(torch.nn.Linear(4, 1))
+for step in range(2):
+    if ctx.rank == 2:
+        time.sleep(2.5)  # a slow rank: the others wait for it in the step's allreduce
+    model(torch.ones(2, 4)).sum().backward()
+x = mpilab.allreduce(torch.ones(1))
+if ctx.rank != 0:
+    time.sleep(2.5)  # rank 0 ends first and waits for the others at exit
+report(x.item())
+""", n=3, timeout=120, check=False, init="mpilab.init(collective_timeout=60)")
+    assert job.returncode == 0, job.stderr[-3000:]
+    assert results == [3.0, 3.0, 3.0]
+    assert "mpilab:" not in job.stderr, job.stderr
 
 
 def test_a_batch_script_that_ends_mpi_itself_ends_quietly():
