@@ -321,15 +321,19 @@ report("done")
 def test_a_batch_script_whose_ranks_wait_seconds_for_a_slow_one_runs_to_its_end():
     """What the script's watch must not take for a hang: ranks that wait seconds in an
     allreduce and in DataParallel's step for a rank that comes late, and one that ends
-    first and waits for the others at exit. The job ends with status 0 and no line."""
+    first and waits for the others at exit (past the moment its exit shuts its
+    torch.distributed connections, which the others used last just before). The job
+    ends with status 0 and no line."""
     results, job = run_ranks("""
 import time, torch
+import torch.distributed as dist
 model = mpilab.DataParallel(torch.nn.Linear(4, 1))
 for step in range(2):
     if ctx.rank == 2:
         time.sleep(2.5)  # a slow rank: the others wait for it in the step's allreduce
     model(torch.ones(2, 4)).sum().backward()
 x = mpilab.allreduce(torch.ones(1))
+dist.all_reduce(torch.ones(1 << 16))
 if ctx.rank != 0:
     time.sleep(2.5)  # rank 0 ends first and waits for the others at exit
 report(x.item())
@@ -337,6 +341,30 @@ report(x.item())
     assert job.returncode == 0, job.stderr[-3000:]
     assert results == [3.0, 3.0, 3.0]
     assert "mpilab:" not in job.stderr, job.stderr
+
+
+def test_a_batch_script_whose_torch_collective_a_rank_never_began_is_named():
+    """torch's own DDP, with rank 1's data a batch short: under torchrun the ended
+    process's connections close and gloo fails the others' wait at once; a rank of
+    mpilab's stays alive at exit until every rank has ended, and shuts its connections
+    instead. Within seconds, one traceback and one line naming both ranks, status 1."""
+    started = time.monotonic()
+    _, job = run_ranks("""
+import torch
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+for step in range(2 if ctx.rank == 1 else 3):
+    model(torch.ones(2, 4)).sum().backward()
+""", n=3, timeout=120, check=False)
+    assert job.returncode == 1, job.stderr[-3000:]
+    assert time.monotonic() - started < 40
+    # torch's excepthook starts each line of a failed rank with "[rankN]: "
+    said = [re.sub(r"^\[rank\d\]: ", "", line) for line in job.stderr.splitlines()
+            if "mpilab:" in line]
+    assert len(said) == 1 and re.fullmatch(
+        r"mpilab: rank 1 ended the script, but rank [02] waited for it in a "
+        r"torch.distributed collective that rank 1 never began: ending all 3 ranks",
+        said[0]), job.stderr[-3000:]
+    assert job.stderr.count("Traceback") == 1, job.stderr[-3000:]
 
 
 def test_a_batch_script_that_ends_mpi_itself_ends_quietly():

@@ -498,11 +498,12 @@ def test_batch_job_whose_rank_on_node2_raises_ends_on_both_hosts(emulated_cluste
 
 def test_batch_job_whose_collective_can_never_complete_across_hosts_is_named(
         emulated_cluster, hostfile, tmp_path):
-    """Two ways a batch job's collective never completes across node1 and node2: the
+    """Three ways a batch job's collective never completes across node1 and node2: the
     ranks on node2 ran out of data a step early (their script ended while node1's ranks
-    wait for them in DataParallel's allreduce), and ranks in different collectives at
-    the same point. MPI shows nothing between hosts, and both jobs waited for good; each
-    now ends within seconds with one line naming the ranks, and leaves nothing on either
+    wait for them in DataParallel's allreduce, or in torch's own DDP), and ranks in
+    different collectives at the same point. MPI shows nothing between hosts, and each
+    job waited for good (torch's DDP for the 30-minute collective timeout); each now
+    ends within seconds with one line naming the ranks, and leaves nothing on either
     host."""
     uneven = tmp_path / "uneven.py"
     uneven.write_text(
@@ -511,6 +512,9 @@ def test_batch_job_whose_collective_can_never_complete_across_hosts_is_named(
         "model = mpilab.DataParallel(torch.nn.Linear(8, 1))\n"
         "for step in range(3 if ctx.rank < 2 else 2):  # node2's shard is a batch short\n"
         "    model(torch.ones(4, 8)).sum().backward()\n")
+    uneven_ddp = tmp_path / "uneven_ddp.py"
+    uneven_ddp.write_text(uneven.read_text().replace(
+        "mpilab.DataParallel(", "torch.nn.parallel.DistributedDataParallel("))
     mismatched = tmp_path / "mismatched.py"
     mismatched.write_text(
         "import torch, mpilab\n"
@@ -522,20 +526,25 @@ def test_batch_job_whose_collective_can_never_complete_across_hosts_is_named(
         "    mpilab.broadcast(x)\n")
     mpiexec = str(REPO / ".venv/bin/mpiexec")
     said = {}
-    for script in (uneven, mismatched):
+    for script in (uneven, uneven_ddp, mismatched):
         started = time.monotonic()
         done = subprocess.run([mpiexec, "-f", str(hostfile), "-n", "4", sys.executable,
                                str(script)], capture_output=True, text=True, timeout=120,
                               env={**os.environ, **emulated_cluster.env()})
         assert done.returncode == 1, done.stderr[-3000:]
         assert time.monotonic() - started < 60
-        said[script.stem] = [line for line in done.stderr.splitlines()
-                             if line.startswith("mpilab:")]
+        # torch's excepthook starts each line of a failed rank with "[rankN]: "
+        said[script.stem] = [re.sub(r"^\[rank\d\]: ", "", line)
+                             for line in done.stderr.splitlines() if "mpilab:" in line]
         assert not wait_nothing_left(emulated_cluster, timeout=10)
     assert len(said["uneven"]) == 1 and re.fullmatch(
         r"mpilab: rank ([23]) ended the script, but rank [01] waits for it in dp_allreduce "
         r"#(\d+) \([\d,]+ bytes\) that rank \1 never began: ending all 4 ranks",
         said["uneven"][0]), said
+    assert len(said["uneven_ddp"]) == 1 and re.fullmatch(
+        r"mpilab: rank ([23]) ended the script, but rank [01] waited for it in a "
+        r"torch.distributed collective that rank \1 never began: ending all 4 ranks",
+        said["uneven_ddp"][0]), said
     assert len(said["mismatched"]) == 1 and re.fullmatch(
         r"mpilab: mismatched collectives: rank [01] in allreduce #(\d+) \(32 bytes\), rank "
         r"[23] in broadcast #\1 \(32 bytes\): every rank must call the same collectives in "

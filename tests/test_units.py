@@ -1371,6 +1371,66 @@ def test_a_scripts_ranks_learn_from_the_store_what_can_never_complete():
         "dp_allreduce #5 (4,096 bytes) has not completed within 2.5 s, with every rank in it")
 
 
+def test_a_torch_collective_that_fails_as_a_peer_ended_its_script_is_named():
+    """gloo's error when a peer's connections closed, with a rank recorded as having
+    ended its script, names that rank; another error, or no ended rank (a peer that
+    crashed), is no such collective."""
+    import torch.distributed as dist
+    from mpilab.rank.agent import RankState
+    from mpilab.rank.script_watch import Watch, ended_in_torch
+
+    gloo = ("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+            "by peer [10.0.0.2]:14530. This is typically caused by a remote worker crashing.")
+    assert ended_in_torch(0, gloo, [(2, 7)]).line == (
+        "rank 2 ended the script, but rank 0 waited for it in a torch.distributed "
+        "collective that rank 2 never began")
+    assert ended_in_torch(0, gloo, []) is None
+    assert ended_in_torch(0, "mat1 and mat2 shapes cannot be multiplied", [(2, 7)]) is None
+    store = dist.HashStore()
+    watches = [Watch(store, rank, 2, RankState(seq=4), end_job=print, timeout_s=1800)
+               for rank in range(2)]
+    watches[1].record_end()
+    assert watches[0].torch_wait_ended(RuntimeError(gloo)).line.startswith(
+        "rank 1 ended the script, but rank 0 waited")
+    assert watches[0].first_to_say() and not watches[1].first_to_say()
+
+
+def test_a_scripts_exit_shuts_the_groups_connections_and_no_others(monkeypatch):
+    """The connections opened while the group was made, other than the store's, are
+    the group's; shutting them ends a peer's read at once (as the process's exit would),
+    and leaves the store's connection and sockets opened before alone."""
+    import socket
+
+    from mpilab.rank import torch_group
+
+    monkeypatch.setattr(torch_group, "_connections", [])
+    listener = socket.create_server(("127.0.0.1", 0))
+    store_listener = socket.create_server(("127.0.0.1", 0))
+    store_port = store_listener.getsockname()[1]
+    earlier = socket.create_connection(listener.getsockname())
+    earlier_peer, _ = listener.accept()
+    before = torch_group.open_sockets()
+    group = socket.create_connection(listener.getsockname())  # a pair of the group
+    group_peer, _ = listener.accept()
+    store = socket.create_connection(("127.0.0.1", store_port))
+    store_peer, _ = store_listener.accept()
+    torch_group.note_connections(before, store_port)
+    # the accepted ends are this process's too, as a peer's ends are on rank 0's store
+    noted = {fd for fd, _ in torch_group._connections}
+    assert noted == {group.fileno(), group_peer.fileno()}
+    torch_group.disconnect_peers()
+    group_peer.settimeout(5)
+    assert group_peer.recv(1) == b""  # the peer's wait ends: its connection closed
+    for alive, other in ((earlier, earlier_peer), (store, store_peer)):
+        alive.sendall(b"x")
+        other.settimeout(5)
+        assert other.recv(1) == b"x"
+    assert torch_group._connections == []
+    for sock in (listener, store_listener, earlier, earlier_peer, group, group_peer, store,
+                 store_peer):
+        sock.close()
+
+
 @pytest.mark.parametrize("slurm_conf, says", [
     ("ClusterName=c\nMpiDefault=pmi2\n",
      "srun's MPI plugin pmi2: a job script's `srun python train.py` is one world"),

@@ -18,8 +18,11 @@ there, and the watchdog releases the peers. A script has neither, so:
   never began (`if rank == 0: mpilab.allreduce(…)`, or data that ran out a step early
   on one rank), or ranks in different collectives at the same point, would wait for
   good, and the ended rank in MPI's finalization; the line names both, and the job
-  ends as above. So do ranks that have not reached a collective within the collective
-  timeout, which torch.distributed's own collectives keep in mpilab's ranks.
+  ends as above. A rank waiting for it in torch's own collectives (gloo) fails as
+  under torchrun, whose ended process closes its connections: the ended rank shuts
+  them after a second at exit, and the failure is named the same way. Ranks that have
+  not reached one of mpilab's collectives within the collective timeout (which
+  torch.distributed's own collectives keep in mpilab's ranks) are named too.
 - **the torch.distributed groups end before the interpreter does**
   (torch_group.release_at_exit): left to its teardown, a gloo group aborted the process
   about half the time.
@@ -41,17 +44,22 @@ from typing import Any
 from .context import BootstrapError, RankContext
 from .frames import user_frames
 from .script_watch import Watch
-from .torch_group import release_at_exit
+from .torch_group import disconnect_peers, release_at_exit
 
 ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
 # How long a rank other than 0 waits before it says why the start failed: every rank
-# usually learns the same reason, and rank 0 ends the job as it says it.
+# usually learns the same reason, and rank 0 ends the job as it says it. So long, too,
+# does a rank whose failure another rank says.
 OTHERS_WAIT_S = 1.0
 
 # How long a rank that ends the job gives mpiexec to take its last lines first.
 OUTPUT_DRAIN_S = 0.3
 # How often a rank that ended its script looks whether every rank has.
 EXIT_POLL_S = 0.05
+# How long it waits for them before it shuts its torch.distributed connections, so that
+# a peer waiting for it in a torch collective fails as under torchrun (a rank's exit
+# closes them there); ranks that end together never get there.
+DISCONNECT_AFTER_S = 1.0
 
 _failed = [False]
 _installed: list[bool] = []
@@ -75,16 +83,21 @@ def install(comm: Any, rank: int, world_size: int) -> None:
                 time.sleep(OTHERS_WAIT_S)
             print(f"mpilab.init(): {value}", file=sys.stderr, flush=True)
             return
+        stuck = _watch[0].torch_wait_ended(value) if _watch else None
+        if stuck is not None and not _said_first(_watch[0]):
+            time.sleep(OTHERS_WAIT_S)  # each waiting rank failed alike: the first says it
+            return
         # the traceback as the script would print it, without mpilab's frames (as a
         # notebook cell's); on the exception too, which is what Python's own hook prints
         # from (its outermost frame may be one left out: runpy's, under `python -m`)
         tb = user_frames(tb)
         previous(kind, value.with_traceback(tb), tb)
         if world_size > 1:
-            what = ("was interrupted" if issubclass(kind, KeyboardInterrupt)
-                    else f"ended with {kind.__name__}")
-            print(f"mpilab: rank {rank} {what}: ending all {world_size} ranks",
-                  file=sys.stderr, flush=True)
+            what = (stuck.line if stuck is not None
+                    else f"rank {rank} was interrupted" if issubclass(kind, KeyboardInterrupt)
+                    else f"rank {rank} ended with {kind.__name__}")
+            print(f"mpilab: {what}: ending all {world_size} ranks", file=sys.stderr,
+                  flush=True)
 
     def at_exit() -> None:
         # atexit: after the excepthook chain (torch.distributed's wraps this one and
@@ -105,6 +118,13 @@ def install(comm: Any, rank: int, world_size: int) -> None:
     atexit.register(at_exit)
 
 
+def _said_first(watch: Watch) -> bool:
+    try:
+        return watch.first_to_say()
+    except Exception:  # noqa: BLE001 - the store is gone with rank 0: say it here
+        return True
+
+
 def _end_every_rank(comm: Any) -> None:
     """MPI_Abort, once what this rank wrote has had time to reach mpiexec: the abort
     ends every process of the job at once, hydra's proxies too, and a proxy that had
@@ -121,7 +141,8 @@ def _end_every_rank(comm: Any) -> None:
 def _leave_together(comm: Any) -> None:
     """The script ended on this rank: say so in the store (a rank that waits for this
     one in a collective this rank never began learns it there: script_watch.py), then
-    wait for every rank to end theirs, as MPI's finalization would, interruptibly."""
+    wait for every rank to end theirs, as MPI's finalization would, interruptibly. From
+    a second on, with the torch.distributed connections shut (disconnect_peers)."""
     from mpi4py import MPI
 
     if MPI.Is_finalized():  # the script ended MPI itself: nothing is left to wait in
@@ -130,7 +151,11 @@ def _leave_together(comm: Any) -> None:
         watch.stop()
         watch.record_end()
     ended = comm.Ibarrier()
+    disconnect_at = time.monotonic() + DISCONNECT_AFTER_S
     while not ended.Test():
+        if disconnect_at is not None and time.monotonic() >= disconnect_at:
+            disconnect_at = None
+            disconnect_peers()
         time.sleep(EXIT_POLL_S)
 
 

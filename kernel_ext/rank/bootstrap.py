@@ -17,6 +17,7 @@ from datetime import timedelta
 from ..endpoint import Endpoint, shared_endpoint
 from ..wire import COLLECTIVE_TIMEOUT_ENV, DEFAULT_COLLECTIVE_TIMEOUT_S, gpu_spec
 from . import agent as agent_mod
+from . import torch_group
 from .context import BootstrapError, RankContext, context, is_initialized, set_context
 
 __all__ = ["BootstrapError", "RankContext", "context", "init", "is_initialized",
@@ -220,9 +221,7 @@ def placement_error(gpu_ids: Sequence[str | None], backend: str,
     its index 0. backend: the torch.distributed backend of the ranks' group; sharing
     GPUs works over gloo (mpilab's collectives then stage GPU tensors through MPI).
     """
-    from .torch_group import device_backends
-
-    cuda_backend = device_backends(backend).get("cuda") if backend else None
+    cuda_backend = torch_group.device_backends(backend).get("cuda") if backend else None
     if cuda_backend in (None, "gloo"):
         return None
     users: dict[str, list[int]] = {}
@@ -294,6 +293,9 @@ def _init_process_group(dist, comm, backend, rank, world_size, endpoint, timeout
     if store is None:
         store = dist.TCPStore(address[0], address[1], world_size, is_master=False, timeout=wait)
     eager = {"device_id": device} if backend == "nccl" else {}
+    before = torch_group.open_sockets() if backend == "gloo" else None
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=collective_timeout), **eager)
+    if before is not None:
+        torch_group.note_connections(before, address[1])
     return store, address

@@ -23,11 +23,15 @@ ranks that never arrived. The first rank to find one of these says so in one lin
 the job ends as it does when a rank fails.
 
 It sees what mpilab numbers: its collectives and DataParallel's (the collectives'
-numbers are the program's order, the same on every rank). A peer in torch's or MPI's
-own collectives shows nothing. Cost: nothing on a collective's path; three store
-requests when a wait reaches a second, one a second after that, two at exit; the store
-keeps a short key for each rank that waited a second in a collective, and one for the
-collective.
+numbers are the program's order, the same on every rank). A rank waiting in
+torch.distributed's own collectives (gloo) learns of a peer that ended its script from
+gloo, as under torchrun: the ended rank's exit shuts its connections
+(torch_group.disconnect_peers), and the waiting rank's error is named from the records
+here (`ended_in_torch`). A peer in MPI's own collectives shows nothing.
+
+Cost: nothing on a collective's path; three store requests when a wait reaches a
+second, one a second after that, two at exit; the store keeps a short key for each rank
+that waited a second in a collective, and one for the collective.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from ..wire import collective_words, mismatch_line, rank_label
 CHECK_S = 1.0  # how often the thread looks, and how long a wait is before it is checked
 STOP_WAIT_S = 2.0  # the longest a rank's exit waits for a store request in flight
 _PREFIX = "mpilab-script/"
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,23 @@ def ended_before(rank: int, seq: int, what: str,
             return Stuck(f"rank {peer} ended the script, but rank {rank} waits for it in "
                          f"{what} that rank {peer} never began")
     return None
+
+
+def peer_gone(error: str) -> bool:
+    """Whether `error` is gloo's, saying that a peer's connection closed."""
+    return any(words in error for words in _PEER_GONE)
+
+
+def ended_in_torch(rank: int, error: str, ended: list[tuple[int, int]]) -> Stuck | None:
+    """This rank's torch.distributed call failed with `error`; `ended` as above. Gloo
+    says a peer's connection closed when its process exits, or when its script ended
+    and its exit shut the connections (torch_group.disconnect_peers): a rank that ended
+    its script is the peer the collective waited for."""
+    if not ended or not peer_gone(error):
+        return None
+    peer = ended[0][0]
+    return Stuck(f"rank {peer} ended the script, but rank {rank} waited for it in a "
+                 f"torch.distributed collective that rank {peer} never began")
 
 
 def other_collective(rank: int, what: tuple[str, int], seq: int,
@@ -130,6 +152,22 @@ class Watch:
         except Exception:  # noqa: BLE001 - the store is gone with rank 0: nothing waits on it
             pass
 
+    def torch_wait_ended(self, error: BaseException) -> Stuck | None:
+        """Whether `error`, which ends this rank's script, is a torch.distributed
+        collective that a rank which ended its script never began (ended_in_torch)."""
+        if not peer_gone(str(error)):
+            return None
+        self.stop()  # the thread reads the same records
+        try:
+            ended = self._read_ended()
+        except Exception:  # noqa: BLE001 - rank 0 and its store are gone
+            return None
+        return ended_in_torch(self.rank, str(error), ended)
+
+    def first_to_say(self) -> bool:
+        """Whether this rank is the first to find the job stuck: one line says it."""
+        return self.store.add("said", 1) == 1
+
     def _read_ended(self) -> list[tuple[int, int]]:
         count = self.store.add("ended", 0)
         while len(self._ended) < count:
@@ -176,7 +214,7 @@ class Watch:
                             and current.start == start)  # one that completed was not stuck
                 if (stuck is None and not timed_out) or not still_in:
                     continue
-                first = self.store.add("said", 1) == 1  # one line, from the first to find it
+                first = self.first_to_say()
                 if first and stuck is None:
                     stuck = not_reached(self.missing(seq), self.world_size, words,
                                         self.timeout_s)

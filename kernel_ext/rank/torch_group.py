@@ -143,6 +143,78 @@ def release_at_exit() -> None:
     time.sleep(EXIT_SETTLE_S)
 
 
+# ------------------------------------------------------------------ a script's end
+# The TCP connections of the ranks' gloo group to its peers, as (fd, "socket:[inode]"):
+# noted when the bootstrap makes the group, shut by a batch script's exit.
+_connections: list[tuple[int, str]] = []
+
+
+def open_sockets() -> dict[int, str]:
+    """This process's sockets, fd → "socket:[inode]" ({} where there is no /proc)."""
+    import os
+
+    sockets = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return {}
+    for name in names:
+        try:
+            link = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue  # closed meanwhile, or the listing's own fd
+        if link.startswith("socket:"):
+            sockets[int(name)] = link
+    return sockets
+
+
+def note_connections(before: dict[int, str], store_port: int) -> None:
+    """Keep the TCP connections this process opened since `before` (taken just before
+    the gloo group was made), other than the rendezvous store's (`store_port`, an end
+    of every store connection): gloo connects every pair of ranks as the group is made."""
+    import os
+    import socket
+
+    for fd, link in open_sockets().items():
+        if before.get(fd) == link:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6):
+                    continue
+                ports = (sock.getsockname()[1], sock.getpeername()[1])
+        except OSError:
+            continue  # a listening socket (no peer), or one gone meanwhile
+        if store_port not in ports:
+            _connections.append((fd, link))
+
+
+def disconnect_peers() -> None:
+    """Shut this rank's connections in the ranks' gloo group, as its process's exit would.
+
+    Why: a batch script's rank that ended waits at exit for the others with its process
+    alive (batch.py). A peer waiting for it in a torch.distributed collective (DDP's
+    step on a rank whose data lasted one batch longer, a ``dist.all_reduce`` that only
+    some ranks call) would wait until the collective timeout, 30 minutes, where under
+    torchrun the ended process's sockets close and gloo fails the peer's wait at once
+    ("Connection closed by peer"). Torch has no call for it: destroying or aborting a
+    group keeps its connections while anything holds the group, and DDP does. Data
+    already sent still arrives (a shutdown sends what is queued before the end).
+    """
+    import os
+    import socket
+
+    while _connections:
+        fd, link = _connections.pop()
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != link:
+                continue  # the group closed it and the number now names something else
+            with socket.socket(fileno=os.dup(fd)) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            continue
+
+
 # ------------------------------------------------------------------ after an abort
 class RecoveryError(RuntimeError):
     """The ranks' torch.distributed group cannot be made usable again: restart them."""
