@@ -367,6 +367,61 @@ for step in range(2 if ctx.rank == 1 else 3):
     assert job.stderr.count("Traceback") == 1, job.stderr[-3000:]
 
 
+def test_ctrl_c_on_a_batch_job_is_one_traceback_and_one_line(tmp_path):
+    """Ctrl-C in the terminal reaches every process of `mpiexec -n 3 python train.py` at
+    once; each rank raised KeyboardInterrupt and printed its traceback and line. One
+    rank says it now, the job ends with status 1, and no process is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mpirun import MPIEXEC
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import time, torch, mpilab\n"
+        "ctx = mpilab.init()\n"
+        "mpilab.allreduce(torch.ones(1))\n"
+        "print('training', flush=True)\n"
+        "while True:\n"
+        "    mpilab.allreduce(torch.ones(1000))\n"
+        "    time.sleep(0.01)\n")
+    job = subprocess.Popen([MPIEXEC, "-n", "3", sys.executable, str(script)],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)  # a terminal's foreground group
+    try:
+        seen = ""
+        while seen.count("training") < 3:  # the ranks' lines may come interleaved
+            line = job.stdout.readline()
+            assert line, seen
+            seen += line
+        os.killpg(job.pid, signal.SIGINT)
+        _, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 1, stderr[-3000:]
+    said = [re.sub(r"^\[rank\d\]: ", "", line) for line in stderr.splitlines()
+            if "mpilab:" in line]
+    assert len(said) == 1 and re.fullmatch(
+        r"mpilab: rank [0-2] was interrupted: ending all 3 ranks", said[0]), stderr
+    assert stderr.count("Traceback") == 1 and "KeyboardInterrupt" in stderr, stderr
+    left = [p for p in psutil.process_iter()
+            if p.pid != os.getpid() and _group_of(p.pid) == job.pid]
+    assert not left, left
+
+
+def _group_of(pid: int) -> int | None:
+    import os
+
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
 def test_a_batch_script_that_ends_mpi_itself_ends_quietly():
     """`MPI.Finalize()` at the end of a script, as some MPI programs do: the ranks end
     with status 0 and nothing on stderr (mpilab's exit does no MPI call after it)."""

@@ -1392,7 +1392,38 @@ def test_a_torch_collective_that_fails_as_a_peer_ended_its_script_is_named():
     watches[1].record_end()
     assert watches[0].torch_wait_ended(RuntimeError(gloo)).line.startswith(
         "rank 1 ended the script, but rank 0 waited")
-    assert watches[0].first_to_say() and not watches[1].first_to_say()
+    stuck = watches[0].torch_wait_ended(RuntimeError(gloo))
+    assert watches[0].say(stuck.reason)  # the first to find it says it
+    # another rank waiting for rank 1 finds it alike: said once
+    assert not watches[1].say(ended_in_torch(1, gloo, [(1, 4)]).reason)
+
+
+def test_a_reason_to_end_a_batch_job_is_said_once_by_the_ranks_it_ends_alike():
+    """Ctrl-C reaches every rank of a script at once, and a bug often fails every rank
+    at the same line: the first rank says it, the others only a reason of their own."""
+    import torch.distributed as dist
+    from mpilab.rank.agent import RankState
+    from mpilab.rank.batch import failure_reason
+    from mpilab.rank.script_watch import Watch
+
+    def raised(error: BaseException):
+        try:
+            raise error
+        except BaseException as e:  # noqa: BLE001 - the test raises it to get a traceback
+            return type(e), e, e.__traceback__
+
+    interrupted = failure_reason(*raised(KeyboardInterrupt()), None)
+    assert interrupted == "interrupted"
+    kind, value, tb = raised(ValueError("shapes (2,3) and (4,) do not match"))
+    assert failure_reason(kind, value, tb, None) == (
+        f"ValueError: shapes (2,3) and (4,) do not match at {__file__}:"
+        f"{tb.tb_lineno}")
+    store = dist.HashStore()
+    watches = [Watch(store, rank, 3, RankState(), end_job=print, timeout_s=1800)
+               for rank in range(3)]
+    assert watches[2].say(interrupted)
+    assert not watches[0].say(interrupted)
+    assert watches[1].say(failure_reason(kind, value, tb, None))  # another reason: said
 
 
 def test_a_scripts_exit_shuts_the_groups_connections_and_no_others(monkeypatch):

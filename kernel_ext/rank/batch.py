@@ -9,7 +9,8 @@ there, and the watchdog releases the peers. A script has neither, so:
   the traceback long scrolled by. The rank prints its traceback, one line says that
   every rank is being ended, and ``MPI_Abort`` ends them once Python has printed
   everything (torchrun likewise stops the other workers when one fails, and ``python -m
-  mpi4py`` aborts).
+  mpi4py`` aborts). Ranks that fail alike (Ctrl-C reaches every rank at once) say it
+  once: the first to fail, through the store (script_watch.Watch.say).
 - **a start that cannot work is one line**, not a traceback through mpilab's code from
   every rank: rank 0 says it (the others wait a moment, so that it is said once), then
   the job ends as above.
@@ -43,13 +44,13 @@ from typing import Any
 
 from .context import BootstrapError, RankContext
 from .frames import user_frames
-from .script_watch import Watch
+from .script_watch import Stuck, Watch
 from .torch_group import disconnect_peers, release_at_exit
 
 ABORT_CODE = 1  # the exit status of a Python script that ends with an exception
 # How long a rank other than 0 waits before it says why the start failed: every rank
 # usually learns the same reason, and rank 0 ends the job as it says it. So long, too,
-# does a rank whose failure another rank says.
+# does a rank whose reason to end the job another rank says.
 OTHERS_WAIT_S = 1.0
 
 # How long a rank that ends the job gives mpiexec to take its last lines first.
@@ -83,14 +84,14 @@ def install(comm: Any, rank: int, world_size: int) -> None:
                 time.sleep(OTHERS_WAIT_S)
             print(f"mpilab.init(): {value}", file=sys.stderr, flush=True)
             return
-        stuck = _watch[0].torch_wait_ended(value) if _watch else None
-        if stuck is not None and not _said_first(_watch[0]):
-            time.sleep(OTHERS_WAIT_S)  # each waiting rank failed alike: the first says it
-            return
         # the traceback as the script would print it, without mpilab's frames (as a
         # notebook cell's); on the exception too, which is what Python's own hook prints
         # from (its outermost frame may be one left out: runpy's, under `python -m`)
         tb = user_frames(tb)
+        stuck = _watch[0].torch_wait_ended(value) if _watch else None
+        if _watch and not _says(_watch[0], failure_reason(kind, value, tb, stuck)):
+            time.sleep(OTHERS_WAIT_S)  # another rank says the same, and ends the job
+            return
         previous(kind, value.with_traceback(tb), tb)
         if world_size > 1:
             what = (stuck.line if stuck is not None
@@ -118,9 +119,24 @@ def install(comm: Any, rank: int, world_size: int) -> None:
     atexit.register(at_exit)
 
 
-def _said_first(watch: Watch) -> bool:
+def failure_reason(kind: type, value: BaseException, tb: Any, stuck: Stuck | None) -> str:
+    """What ended a rank's script, in words that are the same on every rank it ends
+    alike (Watch.say): Ctrl-C reaches every rank at once, and a bug in the script often
+    fails every rank at the same line."""
+    if stuck is not None:
+        return stuck.reason
+    if issubclass(kind, KeyboardInterrupt):
+        return "interrupted"
+    where = ""
+    while tb is not None:
+        where = f" at {tb.tb_frame.f_code.co_filename}:{tb.tb_lineno}"
+        tb = tb.tb_next
+    return f"{kind.__qualname__}: {value}{where}"
+
+
+def _says(watch: Watch, reason: str) -> bool:
     try:
-        return watch.first_to_say()
+        return watch.say(reason)
     except Exception:  # noqa: BLE001 - the store is gone with rank 0: say it here
         return True
 

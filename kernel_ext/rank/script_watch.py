@@ -40,12 +40,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from ..wire import collective_words, mismatch_line, rank_label
 
 CHECK_S = 1.0  # how often the thread looks, and how long a wait is before it is checked
 STOP_WAIT_S = 2.0  # the longest a rank's exit waits for a store request in flight
+SAID_WAIT_S = 1.0  # the longest a rank waits for the reason the first rank is saying
 _PREFIX = "mpilab-script/"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer")  # gloo's words
 
@@ -55,6 +57,7 @@ class Stuck:
     """A collective that cannot complete, and the line that says why."""
 
     line: str
+    reason: str  # in words every rank that finds it uses alike: it is said once (`say`)
 
 
 def ended_before(rank: int, seq: int, what: str,
@@ -65,7 +68,8 @@ def ended_before(rank: int, seq: int, what: str,
     for peer, began in ended:
         if began < seq:
             return Stuck(f"rank {peer} ended the script, but rank {rank} waits for it in "
-                         f"{what} that rank {peer} never began")
+                         f"{what} that rank {peer} never began",
+                         f"rank {peer} ended before #{seq}")
     return None
 
 
@@ -83,7 +87,8 @@ def ended_in_torch(rank: int, error: str, ended: list[tuple[int, int]]) -> Stuck
         return None
     peer = ended[0][0]
     return Stuck(f"rank {peer} ended the script, but rank {rank} waited for it in a "
-                 f"torch.distributed collective that rank {peer} never began")
+                 f"torch.distributed collective that rank {peer} never began",
+                 f"rank {peer} ended before a torch.distributed collective")
 
 
 def other_collective(rank: int, what: tuple[str, int], seq: int,
@@ -96,7 +101,8 @@ def other_collective(rank: int, what: tuple[str, int], seq: int,
     if theirs == what:
         return None
     return Stuck(mismatch_line(seq, {int(peer): theirs, rank: what})
-                 + ": every rank must call the same collectives in the same order")
+                 + ": every rank must call the same collectives in the same order",
+                 f"mismatch at #{seq}")
 
 
 def not_reached(missing: list[int], world_size: int, what: str,
@@ -107,11 +113,16 @@ def not_reached(missing: list[int], world_size: int, what: str,
            "$MPILAB_COLLECTIVE_TIMEOUT sets it")
     if not missing:
         return Stuck(f"{what} has not completed within {timeout_s:g} s, with every rank "
-                     f"in it ({why})")
+                     f"in it ({why})", timeout_reason(what))
     waited = world_size - len(missing)
     return Stuck(f"{rank_label(missing)} did not reach {what} within {timeout_s:g} s, "
                  f"while {waited} other rank{'s' if waited != 1 else ''} waited in it "
-                 f"({why})")
+                 f"({why})", timeout_reason(what))
+
+
+def timeout_reason(what: str) -> str:
+    """The reason (Stuck.reason) of a collective `what` (in words) past the timeout."""
+    return f"timeout in {what}"
 
 
 class Watch:
@@ -164,9 +175,16 @@ class Watch:
             return None
         return ended_in_torch(self.rank, str(error), ended)
 
-    def first_to_say(self) -> bool:
-        """Whether this rank is the first to find the job stuck: one line says it."""
-        return self.store.add("said", 1) == 1
+    def say(self, reason: str) -> bool:
+        """Whether this rank says why the job ends. The first rank to find a reason says
+        it; a later one says its own only if it is another `reason` (in words every rank
+        that finds it uses alike): every rank interrupted at once, or waiting for the
+        same rank that ended, or failing alike at the same line, is said once."""
+        if self.store.add("said", 1) == 1:
+            self.store.set("said/reason", reason)
+            return True
+        self.store.wait(["said/reason"], timedelta(seconds=SAID_WAIT_S))
+        return self.store.get("said/reason").decode() != reason
 
     def _read_ended(self) -> list[tuple[int, int]]:
         count = self.store.add("ended", 0)
@@ -214,12 +232,12 @@ class Watch:
                             and current.start == start)  # one that completed was not stuck
                 if (stuck is None and not timed_out) or not still_in:
                     continue
-                first = self.first_to_say()
-                if first and stuck is None:
+                if not self.say(timeout_reason(words) if stuck is None else stuck.reason):
+                    return  # another rank says it and ends the job
+                if stuck is None:
                     stuck = not_reached(self.missing(seq), self.world_size, words,
                                         self.timeout_s)
             except Exception:  # noqa: BLE001 - rank 0 and its store are gone: the job ends
                 return
-            if first:
-                self.end_job(stuck.line)
+            self.end_job(stuck.line)
             return
