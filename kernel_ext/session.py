@@ -213,11 +213,13 @@ class Session:
     def _on_ranks(self, function, *args, ranks: list[int] | None = None) -> list:
         """`function(*args)` on the ranks (all, or `ranks`), their results in rank order;
         the stop button interrupts them, their errors become one line."""
+        from .rank.waiting import as_request
+
         ranks = list(range(self.cluster.world_size)) if ranks is None else ranks
         view = self.cluster.client[self.cluster.engines(ranks)]
         try:
-            return self._answer(lambda: view.apply_async(function, *args), ranks, "bench",
-                                interrupt=True)
+            return self._answer(lambda: view.apply_async(as_request, function, *args),
+                                ranks, "bench", interrupt=True)
         except ClusterError:
             raise
         except Exception as e:  # noqa: BLE001 - the ranks' ValueError, as one line

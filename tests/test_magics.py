@@ -812,6 +812,37 @@ def test_stopping_a_bench_is_one_line_and_the_ranks_go_on(ranks):
     assert after.ok and "[rank 0] next 0 2 2" in after.stdout, after.text
 
 
+# a request of the bench's kind whose code has ended when the stop button's signal comes
+SIGNALLED_AS_IT_ENDS = """
+from mpilab.session import Session
+def ended_then_signalled():
+    import os, signal, time
+    from mpilab.rank.waiting import as_request
+    pid = as_request(os.getpid)
+    os.kill(pid, signal.SIGINT)  # as ipykernel makes the reply
+    time.sleep(0.5)
+    return pid
+_c = Session.instance().cluster
+print(sorted(_c.client[_c.engines([0, 1])].apply_sync(ended_then_signalled))
+      == sorted(_c.engine_pids()))
+"""
+
+
+def test_a_stop_that_comes_as_a_bench_request_ends_still_gets_its_reply(ranks):
+    """The stop button signals each rank once. One that had just ended the bench's
+    request raised KeyboardInterrupt while ipykernel made the reply, which ipykernel
+    catches and sends no reply: the notebook waited for it in vain and restarted the
+    ranks (6 of 785 stops on a loaded node). The request's reply comes, and the next
+    cell is interrupted as ever."""
+    run = ranks.run(SIGNALLED_AS_IT_ENDS, timeout=60)
+    assert run.ok and run.stdout.strip() == "True", run.text
+    stopped = ranks.run("%%ranks\nimport time\ntime.sleep(60)", timeout=60,
+                        interrupt_after=1.5)
+    assert not stopped.ok and stopped.finished - stopped.started < 10, stopped.text
+    after = ranks.run(IN_STEP, timeout=30)
+    assert after.ok and "[rank 0] next 0 2 2" in after.stdout, after.text
+
+
 # rank 1's bench waits in a blocking MPI receive that nothing sends: a call no interrupt
 # reaches (a C call holding the rank, as a peer's blocking collective would)
 STUCK_IN_THE_BENCH = """%%ranks 1
@@ -902,8 +933,9 @@ _sends = {{"apply": ipyparallel.Client.send_apply_request,
 def _ctrl_c_after_the_first(kind, name):
     def send(self, *args, **kwargs):
         future = _sends[kind](self, *args, **kwargs)
-        what = args[1]  # the cell's code, or the function pickled
-        if name in (what if isinstance(what, str) else str(b"".join(what.buffers))):
+        what = args[1]  # the cell's code, or the function pickled (and its arguments)
+        if name in (what if isinstance(what, str) else str(b"".join(
+                what.buffers + [b for arg in args[2] for b in arg.buffers]))):
             setattr(ipyparallel.Client, "send_" + kind + "_request", _sends[kind])
             os.kill(os.getpid(), signal.SIGINT)  # the stop button: rank 0 has it, rank 1 not
         return future

@@ -113,7 +113,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
     from IPython import get_ipython
 
     from . import agent as agent_mod
-    from . import stdin, warmup
+    from . import stdin, waiting, warmup
     from .bootstrap import init
     from .torchrun import install_shell
 
@@ -164,6 +164,7 @@ def bootstrap(gpus: str, backend: str, agent_address: str | None, timeout: float
         agent.begin_cell(what="cell-start", cell=state.cell, msg=state.request)
 
     def post_run(result=None):
+        waiting.reply_uninterrupted()  # the cell's code has ended: its reply must go
         state.phase = "idle"
         if result is not None and _succeeded_exit(result.error_in_exec):
             result.error_in_exec = None  # sys.exit(0) ended the cell as it ends a script
