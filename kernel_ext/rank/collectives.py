@@ -41,8 +41,6 @@ _HOST_TRANSPORTS = ("auto", "mpi")  # what a CPU tensor resolves to over MPI
 # mpilab's own communicators (dups of COMM_WORLD): one for the collectives here, one for
 # DataParallel's communication thread (two threads must not share a communicator).
 _comms: dict[str, Any] = {}
-# the ones the last recovery replaced: freed by the next (see _renew_comms)
-_retired: list[Any] = []
 
 
 def _make_comms(interruptible: bool = True) -> None:
@@ -64,20 +62,8 @@ def _make_comms(interruptible: bool = True) -> None:
 
 def _renew_comms() -> None:
     """Recovery (all ranks present, abort still set): the old ones are out of step, and
-    so are the tensors' plans made over them.
-
-    The ones the previous recovery replaced are freed now, with their plans' node
-    communicators and shared-memory windows (fast_allreduce._forget): MPICH gives a
-    process 2,048 communicators, and each recovery makes about nine, so a notebook
-    whose cells were stopped some 220 times could make no more ("Too many
-    communicators") and its ranks were restarted. Not the ones replaced now: a hook
-    that runs after this one (DataParallel's communication thread) may still hold
-    them. Freeing is collective, which recovery is: every rank frees the same ones in
-    the same order."""
+    so are the tensors' plans made over them."""
     _plans.clear()
-    while _retired:
-        _retired.pop(0).Free()
-    _retired.extend(_comms.values())
     _make_comms(interruptible=False)
 
 
