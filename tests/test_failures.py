@@ -131,6 +131,37 @@ def test_soak_300_cells_memory_bounded(nb):
     assert all(g < 64 for g in growth_mb), growth_mb
 
 
+def test_the_ranks_recover_as_often_as_their_cells_are_stopped(nb):
+    """A stopped cell whose ranks were in a collective makes mpilab's communicators
+    again on every rank (the recovery); the replaced ones were never freed, and after
+    some 220 stops MPI had none left ("Too many communicators"): the ranks were
+    restarted, their state lost. 2,000 recoveries, the stop button's own, with a
+    DataParallel model whose communication thread recovers too; then it trains and the
+    collectives work, with the state kept. And one replaced with a collective left half
+    done on it (freed plainly, its plan's free waited in MPI for good: a hang)."""
+    run = nb.run("%%ranks\n"
+                 "from mpilab.rank import waiting\n"
+                 "model = mpilab.DataParallel(torch.nn.Linear(4, 1))\n"
+                 "model(torch.ones(2, 4)).sum().backward()\n"
+                 "for _ in range(2000):\n"
+                 "    waiting.recover()\n"
+                 "model(torch.ones(2, 4)).sum().backward()\n"
+                 "print('after', mpilab.allreduce(torch.ones(1)).item())", timeout=300)
+    assert run.ok and "[ranks 0-1] after 2.0" in run.stdout, run.text
+    # a communicator replaced with a collective that a stopped rank left half done, as
+    # recovery finds them, is freed by the next recovery without waiting in it
+    run = nb.run("%%ranks\n"
+                 "from mpi4py import MPI\n"
+                 "from mpilab.rank import collectives, waiting\n"
+                 "if rank == 0:  # rank 1 never joins it\n"
+                 "    half_done = collectives.private_comm().Iallreduce(\n"
+                 "        MPI.IN_PLACE, np.ones(4), MPI.SUM)\n"
+                 "waiting.recover()\n"
+                 "waiting.recover()\n"
+                 "print('after', mpilab.allreduce(torch.ones(1)).item())", timeout=120)
+    assert run.ok and "[ranks 0-1] after 2.0" in run.stdout, run.text
+
+
 def test_blocking_torch_collective_restarts_with_plain_message(nb, tmp_path):
     run, took = timed(nb, "%%ranks\nt = torch.ones(3)\nif rank == 1:\n"
                           "    raise RuntimeError('gone')\ndist.all_reduce(t)", timeout=180)

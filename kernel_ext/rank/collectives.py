@@ -31,7 +31,7 @@ import torch
 from . import across_nodes, reduction, torch_group, waiting
 from ._collective import planned, run_planned
 from .context import context, is_initialized
-from .fast_allreduce import plan_for, reducer
+from .fast_allreduce import free, plan_for, reducer
 from .fusion import grouped_allreduce
 from .reduction import WIRE_OP
 from .waiting import wait_interruptibly
@@ -41,6 +41,8 @@ _HOST_TRANSPORTS = ("auto", "mpi")  # what a CPU tensor resolves to over MPI
 # mpilab's own communicators (dups of COMM_WORLD): one for the collectives here, one for
 # DataParallel's communication thread (two threads must not share a communicator).
 _comms: dict[str, Any] = {}
+# the ones the last recovery replaced: freed by the next (see _renew_comms)
+_retired: list[Any] = []
 
 
 def _make_comms(interruptible: bool = True) -> None:
@@ -62,8 +64,18 @@ def _make_comms(interruptible: bool = True) -> None:
 
 def _renew_comms() -> None:
     """Recovery (all ranks present, abort still set): the old ones are out of step, and
-    so are the tensors' plans made over them."""
+    so are the tensors' plans made over them.
+
+    The ones the previous recovery replaced are freed now (fast_allreduce.free, on every
+    rank in the same order, as recovery runs): each recovery makes about nine
+    communicators, and MPICH gives a process 2,048, so a notebook whose cells were
+    stopped some 220 times in collectives could recover no more. Not the ones replaced
+    now: a hook that runs after this one (DataParallel's communication thread) may
+    still hold them."""
     _plans.clear()
+    while _retired:
+        free(_retired.pop(0))
+    _retired.extend(_comms.values())
     _make_comms(interruptible=False)
 
 
