@@ -28,7 +28,6 @@ from __future__ import annotations
 import itertools
 import signal
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -37,7 +36,7 @@ import numpy as np
 from ..wire import BENCH_COLLECTIVES, BENCH_STOP_GRACE_S, check_backends, size_text
 from .context import context
 from .memory import available_memory
-from .waiting import poll, wait_interruptibly
+from .waiting import engine_kernel, poll, wait_interruptibly
 
 MEMCPY_BYTES = 256 << 20  # the memory-copy figure's buffers (each; two of them)
 _WARMUP = 2
@@ -114,8 +113,7 @@ def stop_if_withdrawn() -> None:
     the ids it was told to abort, the running request's too: that is the stop, seen
     whatever the signal's timing. Outside an engine (a script under mpiexec) nothing is
     withdrawn."""
-    ipython = sys.modules.get("IPython")
-    kernel = getattr(ipython.get_ipython(), "kernel", None) if ipython else None
+    kernel = engine_kernel()
     if kernel is None:
         return
     msg_id = kernel.get_parent().get("header", {}).get("msg_id")

@@ -326,12 +326,14 @@ def reply_uninterrupted() -> None:
     The request has nothing left to stop by then. After the reply ipykernel puts back
     the engine's own handler, which ignores SIGINT between requests.
     """
-    if threading.current_thread() is not threading.main_thread():
-        return
+    if threading.current_thread() is threading.main_thread() and engine_kernel():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def engine_kernel() -> Any:
+    """The kernel of the engine this rank is, running its requests; None in a script."""
     ipython = sys.modules.get("IPython")
-    if ipython is None or getattr(ipython.get_ipython(), "kernel", None) is None:
-        return
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return getattr(ipython.get_ipython(), "kernel", None) if ipython else None
 
 
 def as_request(function: Callable[..., Any], *args: Any) -> Any:
