@@ -290,16 +290,19 @@ def test_between_nodes_by_node_count_and_fill(n, exchange, spread):
 
 ACROSS = """
 import torch
-from mpilab.rank import across_nodes
+from mpilab.rank import across_nodes, persistent
 from mpilab.rank.collectives import private_comm
 from mpilab.rank.fast_allreduce import plan_for
 
 r, n = ctx.rank, ctx.world_size
-places = plan_for(private_comm()).places
+route = plan_for(private_comm())
+places = route.places
 failures = []
-# a part of ALLGATHER_MIN_BYTES or more goes through the nodes and leaders, a smaller
-# one through MPI's allgather; the broadcast goes through them at every size
-for count in (1, 1000, across_nodes.ALLGATHER_MIN_BYTES // 4 + 5):
+# small ones go by MPI's persistent collectives; a larger broadcast through the nodes and
+# leaders; a larger allgather through MPI's allgather, and from a part of
+# ALLGATHER_MIN_BYTES through the nodes and leaders
+for count in (1, 1000, persistent.ALLGATHER_MAX_BYTES // 4 + 3,
+              across_nodes.ALLGATHER_MIN_BYTES // 4 + 5):
     want = torch.arange(count, dtype=torch.float32)
     for root in range(n):
         t = want + 10 * r
@@ -310,7 +313,7 @@ for count in (1, 1000, across_nodes.ALLGATHER_MIN_BYTES // 4 + 5):
     if not all(torch.equal(got[q], want + q) for q in range(n)):
         failures.append(f"allgather count={count}")
 report_in_turn({"failures": failures, "leaders": sorted(set(places.leader_of)),
-                "spans": places.spans})
+                "spans": places.spans, "persistent": sorted(route.persistent._kept)})
 """
 
 
@@ -321,8 +324,10 @@ def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
     # allgather's blocks round a ring
     results = run_ranks(IN_TURN + ACROSS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
     spans = [[first, min(2, n - first)] for first in range(0, n, 2)]
-    assert all(res == {"failures": [], "leaders": list(range(len(spans))), "spans": spans}
-               for res in results), results
+    kept = sorted([["allgather", 4], ["allgather", 4000]]
+                  + [["broadcast", size, root] for size in (4, 4000) for root in range(n)])
+    assert all(res == {"failures": [], "leaders": list(range(len(spans))), "spans": spans,
+                       "persistent": kept} for res in results), results
 
 
 INTERRUPT = """

@@ -1474,3 +1474,40 @@ def test_doctor_says_how_a_job_script_starts_one_world(slurm_conf, says):
     from mpilab.cli import srun_plugin_advice  # mpilab doctor's "job scripts" row
 
     assert srun_plugin_advice(slurm_conf) == says
+
+
+class _CommBeforeMPI4:
+    """A communicator of an MPI without persistent collectives, as mpi4py shows one."""
+
+    made = 0
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def Bcast_init(self, *args, **kwargs):
+        self.made += 1
+        raise NotImplementedError("MPI_Bcast_init")
+
+    Allgather_init = Bcast_init
+
+
+def test_persistent_collectives_step_aside_for_large_messages_and_older_mpi():
+    """A broadcast or allgather that the persistent way does not take returns False with
+    nothing done, so the caller's own way runs: above its sizes, and on an MPI before
+    version 4 (asked once, not at every call)."""
+    import numpy as np
+    from mpilab.rank.persistent import ALLGATHER_MAX_BYTES, BROADCAST_MAX_BYTES, Persistent
+
+    comm = _CommBeforeMPI4()
+    ways = Persistent(comm, wait=lambda request: None)
+    assert not ways.broadcast(np.zeros(BROADCAST_MAX_BYTES + 1, np.uint8), 0)
+    assert not ways.allgather(np.zeros(ALLGATHER_MAX_BYTES // 2 + 1, np.uint8),
+                              np.zeros(ALLGATHER_MAX_BYTES + 2, np.uint8))
+    assert comm.made == 0
+    for _ in range(3):
+        assert not ways.broadcast(np.zeros(16, np.uint8), 0)
+        assert not ways.allgather(np.zeros(16, np.uint8), np.zeros(32, np.uint8))
+    assert comm.made == 1

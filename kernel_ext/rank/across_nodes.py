@@ -23,7 +23,7 @@ _TAG = 0x6D62  # the leaders' communicator carries the allreduce's exchange too 
 # hosts of 2 ranks, µs a call, this way against MPI's driven: 4 KiB 62-91 against 50-79,
 # 1 MiB 4,500-6,000 against 4,300-4,600, 2 MiB level; 4 MiB 12,900-13,500 against
 # 14,400-20,300, 16 MiB 45,000-53,000 against 73,000-75,000). The broadcast goes this
-# way at every size (4 KiB 20-33 against 37-58).
+# way above `persistent.BROADCAST_MAX_BYTES`.
 ALLGATHER_MIN_BYTES = 4 << 20
 
 

@@ -317,9 +317,12 @@ def _gather_into(gather: Callable[[np.ndarray, np.ndarray], None], send: np.ndar
 
 
 def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
-    """Over several nodes with shared memory within them, through it and the nodes'
-    leaders (`across_nodes`); else MPI's broadcast over every rank."""
+    """A small message by MPI's persistent broadcast (`persistent`); a larger one, over
+    several nodes with shared memory within them, through it and the nodes' leaders
+    (`across_nodes`); else MPI's broadcast over every rank."""
     route = plan_for(comm)
+    if route.persistent.broadcast(raw, root):
+        return
     if route.places is not None:
         across_nodes.broadcast(route, raw, root)
     else:
@@ -327,9 +330,12 @@ def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
 
 
 def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    """As _mpi_broadcast, where every node's ranks are consecutive and each rank's part
-    is large (`across_nodes.ALLGATHER_MIN_BYTES`)."""
+    """A small one by MPI's persistent allgather (`persistent`); as _mpi_broadcast where
+    every node's ranks are consecutive and each rank's part is large
+    (`across_nodes.ALLGATHER_MIN_BYTES`); else MPI's allgather over every rank."""
     route = plan_for(comm)
+    if route.persistent.allgather(send, recv):
+        return
     if route.places is not None and route.places.spans is not None and \
             send.nbytes >= across_nodes.ALLGATHER_MIN_BYTES:
         across_nodes.allgather(route, send, recv)

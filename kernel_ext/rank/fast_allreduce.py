@@ -53,6 +53,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .persistent import Persistent
 from .shm import UFUNCS, ShmEngine
 from .waiting import drive, drive_all, wait_interruptibly
 
@@ -89,6 +90,7 @@ class Plan:
     and what mpilab's other collectives on it need: how to wait for an MPI request, and
     where each rank sits across nodes (`across_nodes`)."""
 
+    comm: object  # the communicator itself
     shm: bool  # every rank agreed that shared memory works
     node: ShmEngine | None  # this node's engine; None when the rank is alone on its node
     node_comm: object
@@ -110,6 +112,8 @@ class Plan:
         # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
         self.exchange = size > 1 and _power_of_two(size)
         self._scratch = np.empty(0, dtype=np.uint8)
+        # small broadcasts and allgathers over MPI's own collectives, made as they are met
+        self.persistent = Persistent(self.comm, self.wait)
 
     def scratch(self, like: np.ndarray) -> np.ndarray:
         """A reused receive buffer of like's size and dtype."""
@@ -126,6 +130,7 @@ class Plan:
             wait_interruptibly(request)
 
     def close(self) -> None:
+        self.persistent.close()
         if self.node is not None:
             self.node.close()
         if self.between is not None and self.between is not self.leaders:
@@ -221,7 +226,7 @@ def _make_plan(comm) -> Plan:
         peers = comm.Split(node_rank, comm.Get_rank())
     between = leaders if shared else comm.Dup()
     places = _places(comm, node_comm, leaders) if shared and nodes > 1 else None
-    return Plan(shared, node, node_comm, leaders, nodes > 1, between, peers, places)
+    return Plan(comm, shared, node, node_comm, leaders, nodes > 1, between, peers, places)
 
 
 def _places(comm, node_comm, leaders) -> Places:
