@@ -390,6 +390,18 @@ def test_ssh_the_stop_button_interrupts_the_ranks_on_both_hosts(ssh_ranks):
     after = ssh_ranks.run("%%ranks\nx = torch.ones(1)\nmpilab.allreduce(x)\n"
                           "print(kept, int(x))")
     assert after.ok and "[ranks 0-3] 43 4" in after.stdout, after.text
+    # a small allgather or broadcast goes by a persistent MPI request, which the stop
+    # leaves started on node1 and never complete: the next ones are right all the same
+    code = ("%%ranks\nimport time, torch\nif rank >= 2:\n    time.sleep(60)\n"
+            "mpilab.allgather(torch.ones(4))\nprint('never')")
+    run, took = stopped(ssh_ranks, code, after_s=2.0)
+    assert not run.ok and took < 10 and "never" not in run.text, (took, run.text)
+    after = ssh_ranks.run("%%ranks\nx = torch.full((4,), float(rank))\n"
+                          "mpilab.broadcast(x, root=2)\n"
+                          "g = mpilab.allgather(torch.ones(4) * rank)\n"
+                          "print(kept, x.tolist(), g[:, 0].tolist())")
+    assert after.ok and "[ranks 0-3] 43 [2.0, 2.0, 2.0, 2.0] [0.0, 1.0, 2.0, 3.0]" in \
+        after.stdout, after.text
 
 
 def test_ssh_the_stop_button_with_a_rank_in_a_blocking_call_on_node2_restarts_all(ssh_ranks):
