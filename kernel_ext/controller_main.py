@@ -3,6 +3,13 @@
 The same controller, plus a thread that holds the notebook's lifeline (mpilab.lifeline)
 and ends the controller and its schedulers when the notebook kernel that started the
 cluster is gone (killed rather than shut down), so no controller outlives its notebook.
+
+The controller forks its schedulers, queues and heart monitor (multiprocessing) as it
+starts. A fork keeps only the forking thread, so they do not watch the lifeline; each
+ends instead when the process that forked it is gone (`end_forked_children_with_me`).
+Without that, a start that failed at once (sbatch refusing the job) could end the
+controller while it was still forking, before the notebook had seen its children, and
+a scheduler outlived it for good.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 from mpilab import lifeline
 
@@ -27,6 +35,35 @@ def _watch(held: lifeline.Holder) -> None:
     os._exit(1)
 
 
+# how often a forked child looks whether the process that forked it is still there
+PARENT_CHECK_S = 0.5
+_forker = [0]  # the pid of the process that forks, as the child sees it after the fork
+
+
+def end_forked_children_with_me() -> None:
+    """Every process forked from now on (and forked by those) ends when the process that
+    forked it is gone: a thread in it compares its parent pid with the forker's.
+
+    A parent-death signal (prctl) would follow the forking thread, not the process, and
+    is Linux's alone; a watching thread follows the process everywhere."""
+    os.register_at_fork(before=_note_forker, after_in_child=_follow_forker)
+
+
+def _note_forker() -> None:
+    _forker[0] = os.getpid()
+
+
+def _follow_forker() -> None:
+    threading.Thread(target=_end_with, args=(_forker[0],), daemon=True,
+                     name="mpilab-ends-with-parent").start()
+
+
+def _end_with(parent: int) -> None:
+    while os.getppid() == parent:  # gone before this ran: its pid is not the parent's
+        time.sleep(PARENT_CHECK_S)
+    os._exit(1)
+
+
 if __name__ == "__main__":
     try:
         held = lifeline.hold()
@@ -35,6 +72,7 @@ if __name__ == "__main__":
         sys.exit(1)
     if held is not None:
         threading.Thread(target=_watch, args=(held,), daemon=True).start()
+    end_forked_children_with_me()
     from ipyparallel.controller.app import main
 
     main()

@@ -263,3 +263,47 @@ def test_killed_kernel_leaves_no_ranks_behind():
         assert not alive, [p.cmdline()[:4] for p in alive]
     finally:
         kernel.release()
+
+
+FORKS = """
+import multiprocessing, time
+from mpilab.controller_main import end_forked_children_with_me
+
+end_forked_children_with_me()
+
+def grandchild():
+    time.sleep(120)
+
+def child():
+    p = multiprocessing.Process(target=grandchild)
+    p.start()
+    print("grandchild", p.pid, flush=True)
+    time.sleep(120)
+
+if __name__ == "__main__":
+    multiprocessing.set_start_method("fork")
+    p = multiprocessing.Process(target=child)
+    p.start()
+    print("child", p.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_what_the_controller_forks_ends_with_the_controller():
+    """ipyparallel's controller forks its schedulers and queues as it starts; a start that
+    failed at once could end the controller before the notebook had seen them, and they
+    ran on for good (found after the Slurm tests). Each ends with its own parent, and
+    while that lives it lives."""
+    proc = subprocess.Popen([sys.executable, "-c", FORKS], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = dict(proc.stdout.readline().split() for _ in range(2))
+        forked = [psutil.Process(int(pids[name])) for name in ("child", "grandchild")]
+        time.sleep(2.0)  # several of their parent checks
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in forked)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.monotonic() + 10
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in forked):
+        assert time.monotonic() < deadline, "a forked process outlived its parent"
+        time.sleep(0.1)
