@@ -87,8 +87,9 @@ class Places:
 @dataclass
 class Plan:
     """How allreduce_inplace runs on one communicator (created once per communicator),
-    and what mpilab's other collectives on it need: how to wait for an MPI request, and
-    where each rank sits across nodes (`across_nodes`)."""
+    and what mpilab's other collectives on it need: how to wait for an MPI request, where
+    each rank sits across nodes (`across_nodes`), and its small broadcasts and
+    allgathers (`persistent`)."""
 
     comm: object  # the communicator itself
     shm: bool  # every rank agreed that shared memory works
@@ -112,7 +113,6 @@ class Plan:
         # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
         self.exchange = size > 1 and _power_of_two(size)
         self._scratch = np.empty(0, dtype=np.uint8)
-        # small broadcasts and allgathers over MPI's own collectives, made as they are met
         self.persistent = Persistent(self.comm, self.wait)
 
     def scratch(self, like: np.ndarray) -> np.ndarray:
