@@ -5,8 +5,9 @@ and ends the controller and its schedulers when the notebook kernel that started
 cluster is gone (killed rather than shut down), so no controller outlives its notebook.
 
 The controller forks its schedulers, queues and heart monitor (multiprocessing) as it
-starts. A fork keeps only the forking thread, so they do not watch the lifeline; each
-ends instead when the process that forked it is gone (`end_forked_children_with_me`).
+starts, from its main thread. A fork keeps only the forking thread, so they do not watch
+the lifeline; each dies with the controller instead, as an engine dies with its
+supervisor (`end_forked_children_with_me`).
 Without that, a start that failed at once (sbatch refusing the job) could end the
 controller while it was still forking, before the notebook had seen its children, and
 a scheduler outlived it for good.
@@ -17,9 +18,9 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 
 from mpilab import lifeline
+from mpilab.rank.engine import die_with_parent
 
 
 def _watch(held: lifeline.Holder) -> None:
@@ -35,33 +36,24 @@ def _watch(held: lifeline.Holder) -> None:
     os._exit(1)
 
 
-# how often a forked child looks whether the process that forked it is still there
-PARENT_CHECK_S = 0.5
 _forker = [0]  # the pid of the process that forks, as the child sees it after the fork
 
 
 def end_forked_children_with_me() -> None:
-    """Every process forked from now on (and forked by those) ends when the process that
-    forked it is gone: a thread in it compares its parent pid with the forker's.
-
-    A parent-death signal (prctl) would follow the forking thread, not the process, and
-    is Linux's alone; a watching thread follows the process everywhere."""
-    os.register_at_fork(before=_note_forker, after_in_child=_follow_forker)
+    """Every process forked from now on (and forked by those) dies when the process that
+    forked it ends: the engines' parent-death signal (`engine.die_with_parent`), asked
+    for in the child as it starts; a child whose forker ended before that exits."""
+    os.register_at_fork(before=_note_forker, after_in_child=_die_with_forker)
 
 
 def _note_forker() -> None:
     _forker[0] = os.getpid()
 
 
-def _follow_forker() -> None:
-    threading.Thread(target=_end_with, args=(_forker[0],), daemon=True,
-                     name="mpilab-ends-with-parent").start()
-
-
-def _end_with(parent: int) -> None:
-    while os.getppid() == parent:  # gone before this ran: its pid is not the parent's
-        time.sleep(PARENT_CHECK_S)
-    os._exit(1)
+def _die_with_forker() -> None:
+    die_with_parent()
+    if os.getppid() != _forker[0]:  # ended before the signal was asked for
+        os._exit(1)
 
 
 if __name__ == "__main__":

@@ -330,17 +330,15 @@ def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
 
 
 def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    """A small one by MPI's persistent allgather (`persistent`); as _mpi_broadcast where
-    every node's ranks are consecutive and each rank's part is large
-    (`across_nodes.ALLGATHER_MIN_BYTES`); else MPI's allgather over every rank."""
+    """As _mpi_broadcast where every node's ranks are consecutive and each rank's part
+    is large (`across_nodes.ALLGATHER_MIN_BYTES`); else MPI's allgather over every rank
+    (the plan's, persistent where small)."""
     route = plan_for(comm)
-    if route.persistent.allgather(send, recv):
-        return
     if route.places is not None and route.places.spans is not None and \
             send.nbytes >= across_nodes.ALLGATHER_MIN_BYTES:
         across_nodes.allgather(route, send, recv)
     else:
-        route.wait(comm.Iallgather(send, recv))
+        route.allgather(send, recv)
 
 
 def allreduce(tensor: torch.Tensor | Sequence[torch.Tensor], op: str = "sum",

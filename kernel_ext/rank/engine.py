@@ -23,7 +23,7 @@ from .frames import hidden_frame
 def run(argv: list[str]) -> None:
     """Run the ipyparallel engine with `argv`, in a process that dies with its parent
     (its supervisor, or its host's spawner), importing torch while it registers."""
-    _die_with_parent()
+    die_with_parent()
     preload()
     from ipyparallel.engine.app import main
 
@@ -31,7 +31,9 @@ def run(argv: list[str]) -> None:
     main()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """This process is killed when the thread that forked it ends (Linux's parent-death
+    signal; elsewhere nothing happens)."""
     _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 

@@ -129,6 +129,12 @@ class Plan:
         else:
             wait_interruptibly(request)
 
+    def allgather(self, send: np.ndarray, recv: np.ndarray) -> None:
+        """MPI's allgather over every rank of the communicator: persistent where small
+        (`persistent`), else non-blocking, waited for as `wait` does."""
+        if not self.persistent.allgather(send, recv):
+            self.wait(self.comm.Iallgather(send, recv))
+
     def close(self) -> None:
         self.persistent.close()
         if self.node is not None:

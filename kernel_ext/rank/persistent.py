@@ -49,8 +49,7 @@ class Persistent:
         # key -> (request, send buffer, receive buffer); a broadcast's are one
         self._kept: dict[tuple, tuple] = {}
         self._started = None  # the request started and not yet seen complete
-        # None until the first try; False where this MPI has no persistent collectives
-        self._supported: bool | None = None
+        self._available = True  # False once this MPI has shown it has none
 
     def broadcast(self, flat: np.ndarray, root: int) -> bool:
         """`flat` (1-D uint8) from rank `root` to every rank; False (nothing done) where
@@ -90,16 +89,15 @@ class Persistent:
 
     def _entry(self, key: tuple) -> tuple | None:
         entry = self._kept.get(key)
-        if entry is not None or self._supported is False:
+        if entry is not None or not self._available:
             return entry
         if len(self._kept) >= _MAX_KEPT:
             self.close()
         try:
             entry = self._make(key)
         except NotImplementedError:  # mpi4py's word for an MPI before version 4
-            self._supported = False
+            self._available = False
             return None
-        self._supported = True
         self._kept[key] = entry
         return entry
 

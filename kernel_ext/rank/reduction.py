@@ -93,8 +93,8 @@ def _allreduce_bfloat16(buf: torch.Tensor, op: str, comm: Any) -> None:
     ranks) and reduce them in float32, in rank order on every rank."""
     flat = buf.detach().view(-1)
     recv = torch.empty((comm.Get_size(), flat.numel()), dtype=torch.bfloat16)
-    plan_for(comm).wait(comm.Iallgather(flat.view(torch.int16).numpy(),
-                                        recv.view(torch.int16).numpy()))
+    plan_for(comm).allgather(flat.view(torch.uint8).numpy(),
+                             recv.view(torch.uint8).view(-1).numpy())
     wide = recv.float()
     flat.copy_(wide.sum(0) if op == "sum" else wide.amax(0) if op == "max" else wide.amin(0))
 
