@@ -971,7 +971,9 @@ def test_slurm_a_job_that_will_never_start_is_one_line_within_seconds(slurm_kern
 
 @contextlib.contextmanager
 def every_node_held(cluster) -> Iterator[str]:
-    """Another user's job on every node of the partition, while the block runs: its id."""
+    """Another user's job on every node of the partition, while the block runs: its id.
+    Gone from the queue when the block ends (a cancelled job stays COMPLETING for a while,
+    seconds on a busy host), so what the queue holds after it is the notebook's."""
     out = cluster.slurm_cmd("salloc", "--no-shell", "-N", str(len(cluster.names)),
                             "--exclusive", "-t", "10").stderr
     job = next(w for w in out.split() if w.isdigit())
@@ -979,6 +981,9 @@ def every_node_held(cluster) -> Iterator[str]:
         yield job
     finally:
         cluster.slurm_cmd("scancel", job, check=False)
+        deadline = time.monotonic() + 30
+        while any(j["id"] == job for j in cluster.squeue()) and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 def test_slurm_a_start_whose_job_waits_in_the_queue_says_so_while_it_waits(slurm_kernel,
