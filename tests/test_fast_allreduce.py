@@ -330,6 +330,50 @@ def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
                        "persistent": kept} for res in results), results
 
 
+KEPT = """
+import torch
+from mpilab.rank import persistent
+from mpilab.rank.collectives import private_comm
+from mpilab.rank.fast_allreduce import plan_for
+
+r, n = ctx.rank, ctx.world_size
+made = plan_for(private_comm()).persistent._make
+count = [0]
+def counting(key):
+    count[0] += 1
+    return made(key)
+plan_for(private_comm()).persistent._make = counting
+t, src, out = torch.zeros(8), torch.zeros(8), torch.empty(n, 8)
+failures = []
+def check(turn):
+    for root in range(n):
+        t.fill_(r + turn)
+        mpilab.broadcast(t, root=root)
+        if not torch.equal(t, torch.full((8,), float(root + turn))):
+            failures.append(f"broadcast turn={turn} root={root}: {t.tolist()}")
+    src.fill_(r * 10 + turn)
+    mpilab.allgather(src, out=out)
+    if not all(torch.equal(out[q], torch.full((8,), float(q * 10 + turn))) for q in range(n)):
+        failures.append(f"allgather turn={turn}: {out.tolist()}")
+check(0)
+check(1)  # the same tensors: their requests kept, none made
+made_at_first = count[0]
+# more kinds of call than are kept at once: every request is closed, then made again
+for k in range(persistent._MAX_KEPT + 1):
+    mpilab.broadcast(torch.full((k + 16,), float(r)), root=0)
+check(2)
+report_in_turn({"failures": failures, "made": [made_at_first, count[0]]})
+"""
+
+
+def test_a_tensors_small_collectives_keep_their_request_until_every_request_is_closed():
+    # 3 ranks on 2 emulated nodes: every root of a 32-byte broadcast and an allgather
+    # into the same `out` make n + 1 requests once; the same tensors again make none;
+    # 33 new kinds close every request, and the same tensors then make theirs again
+    results = run_ranks(IN_TURN + KEPT, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    assert all(res == {"failures": [], "made": [4, 4 + 33 + 4]} for res in results), results
+
+
 INTERRUPT = """
 import os, signal, threading, time
 import numpy as np

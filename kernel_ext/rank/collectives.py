@@ -290,9 +290,13 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
         plan.gather = engine.small_allgather(plan.ptr, plan.nbytes) or \
             functools.partial(_gather_into, engine.allgather, plan.raw, gathered)
     else:
-        plan.broadcast = functools.partial(_mpi_broadcast, comm, plan.raw)
-        plan.gather = functools.partial(_gather_into, functools.partial(_mpi_allgather, comm),
-                                        plan.raw, gathered)
+        # small ones by MPI's persistent collectives, in one C call (`persistent`)
+        broadcast = functools.partial(_mpi_broadcast, comm, plan.raw)
+        gather = functools.partial(_gather_into, functools.partial(_mpi_allgather, comm),
+                                   plan.raw, gathered)
+        plan.broadcast = route.persistent.small_broadcast(plan.ptr, plan.nbytes, broadcast) \
+            or broadcast
+        plan.gather = route.persistent.small_allgather(plan.ptr, plan.nbytes, gather) or gather
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan

@@ -10,32 +10,64 @@ Making one takes the communicator's next collective tag, so every rank must make
 the same order. One per tensor would break that (a rank may pass a new tensor where
 another reuses one), so there is one per (collective, bytes, root), on buffers of its own:
 every rank meets a new key at the same call, since the ranks' collectives match. The data
-is copied into those buffers and out, and only small messages go this way: from 8 KiB a
-broadcast between 2 emulated hosts of 2 ranks is faster through the nodes' shared memory
-and leaders (`across_nodes`: 21-23 µs a call against 31-35 this way and 33-36 for
-mpi4py's blocking ``Bcast``), and an allgather of 64 KiB a rank went at 0.74-0.79× of
-mpi4py this way against 0.82-0.86× by ``MPI_Iallgather`` (its result's copies cost more
-than the schedule). The same hosts at 4 KiB, µs a call:
-broadcast 11.4-15.5 this way, 16.1-18.3 by ``MPI_Ibcast`` driven, 19.5-31.4 through
-shared memory and leaders, mpi4py 12.7-16.9; allgather 44.5-52.0 this way, 50.8-65.4 by
-``MPI_Iallgather`` driven, mpi4py 44.2-54.9.
+is copied into those buffers and out.
+
+The copies, the start and the wait run in C (`_persistent`): for a tensor with a plan,
+`small_broadcast` / `small_allgather` give the plan one C call that keeps its request
+while it is alive; other callers go through `broadcast` / `allgather`. The Python around
+these calls cost 2-3 µs a call on each rank, and between hosts a rank's peer completes
+only once the rank is back asking MPI, so ranks that share a core paid it several times
+over: 4 ranks on 2 emulated hosts, at 4 KiB, the public calls went from 0.68-0.76× of
+mpi4py (broadcast) and 0.63-0.66× (allgather) to 0.87× and 0.83× (bench_multinode.py).
+
+Which sizes go this way (4 ranks on 2 emulated hosts bound to cores, µs a call, median of
+7 loops): a broadcast of up to 4 KiB; from 16 KiB, through the nodes' shared memory and
+leaders (`across_nodes`) is as fast (16 KiB 49 against 47 this way, 64 KiB 164 against
+169; mpi4py's blocking ``Bcast`` 39 and 107). An allgather with up to 1 MiB of result: a
+part of 64 KiB 329 this way against 358 by ``MPI_Iallgather`` (mpi4py 292), 256 KiB
+1,728 against 1,847 (mpi4py 1,666), 1 MiB level (7,195 and 7,176), where the result's
+copies cost as much as the schedule saves.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import numpy as np
 
+from . import _persistent
+
 BROADCAST_MAX_BYTES = 4 << 10
-ALLGATHER_MAX_BYTES = 64 << 10  # of the gathered result
-# kinds of call kept at once; past it all go (at the same call on every rank, as their
-# keys arrive in the same order everywhere) and are made again as they are met
+ALLGATHER_MAX_BYTES = 1 << 20  # of the gathered result
+# kinds of call kept at once, and the bytes of their buffers; past either all go (at the
+# same call on every rank, as their keys arrive in the same order everywhere, with the
+# same sizes) and are made again as they are met
 _MAX_KEPT = 32
-# requests an abort left started, with their buffers: never freed (freeing an active
-# persistent collective is erroneous in MPI, and mpi4py frees a request it made when its
-# object goes; MPI may still write into the buffers)
+_MAX_KEPT_BYTES = 16 << 20
+# requests an abort left started, with their buffers (`_persistent.Kept`): never freed
+# (freeing an active persistent collective is erroneous in MPI; MPI may still write into
+# the buffers)
 _left_started: list = []
+_bound: bool | None = None  # whether _persistent has MPI's functions (asked once)
+
+
+def _bind() -> bool:
+    """Give `_persistent` MPI_Start and MPI_Test of the MPI library mpi4py loaded; False
+    where that is not possible or the MPI is older than version 4."""
+    global _bound
+    if _bound is None:
+        from mpi4py import MPI
+
+        try:
+            library = ctypes.CDLL(MPI.__file__)  # already loaded: its MPI library's symbols
+            _persistent.bind(ctypes.cast(library.MPI_Start, ctypes.c_void_p).value,
+                             ctypes.cast(library.MPI_Test, ctypes.c_void_p).value,
+                             MPI.Exception)
+            _bound = MPI.Get_version() >= (4, 0)
+        except (OSError, AttributeError, ValueError):
+            _bound = False
+    return _bound
 
 
 class Persistent:
@@ -46,25 +78,22 @@ class Persistent:
         self._comm = comm
         self._rank, self._size = comm.Get_rank(), comm.Get_size()
         self._wait = wait
-        # key -> (request, send buffer, receive buffer); a broadcast's are one
-        self._kept: dict[tuple, tuple] = {}
-        self._started = None  # the request started and not yet seen complete
-        self._available = True  # False once this MPI has shown it has none
+        self._kept: dict[tuple, _persistent.Kept] = {}
+        self._kept_bytes = 0
+        self._available = _bind()  # False once this MPI has shown it has none
 
     def broadcast(self, flat: np.ndarray, root: int) -> bool:
         """`flat` (1-D uint8) from rank `root` to every rank; False (nothing done) where
         it is too large for this way or this MPI lacks persistent collectives."""
         if flat.nbytes > BROADCAST_MAX_BYTES:
             return False
-        entry = self._entry(("broadcast", flat.nbytes, root))
-        if entry is None:
+        kept = self._entry(("broadcast", flat.nbytes, root))
+        if kept is None:
             return False
-        request, buffer, _ = entry
         if self._rank == root:
-            buffer[:] = flat
-        self._run(request)
-        if self._rank != root:
-            flat[:] = buffer
+            kept.run(flat, None, self._wait)
+        else:
+            kept.run(None, flat, self._wait)
         return True
 
     def allgather(self, send: np.ndarray, recv: np.ndarray) -> bool:
@@ -72,53 +101,66 @@ class Persistent:
         broadcast."""
         if recv.nbytes > ALLGATHER_MAX_BYTES:
             return False
-        entry = self._entry(("allgather", send.nbytes))
-        if entry is None:
+        kept = self._entry(("allgather", send.nbytes))
+        if kept is None:
             return False
-        request, sending, receiving = entry
-        sending[:] = send
-        self._run(request)
-        recv[:] = receiving
+        kept.run(send, recv, self._wait)
         return True
 
-    def _run(self, request) -> None:
-        self._started = request
-        request.Start()
-        self._wait(request)  # an abort raises here and leaves it started
-        self._started = None
+    def small_broadcast(self, address: int, nbytes: int,
+                        fallback: Callable[[int], None]) -> Callable[[int], None] | None:
+        """A function of the root that broadcasts the `nbytes` at `address` (a tensor's,
+        with a plan) in one C call; `fallback(root)` where this MPI turns out to have no
+        persistent collectives. None for larger ones."""
+        if nbytes > BROADCAST_MAX_BYTES or not self._available:
+            return None
+        return _persistent.Planned(self._entry, self._wait, fallback, address, nbytes,
+                                   False, self._rank, self._size)
 
-    def _entry(self, key: tuple) -> tuple | None:
-        entry = self._kept.get(key)
-        if entry is not None or not self._available:
-            return entry
-        if len(self._kept) >= _MAX_KEPT:
+    def small_allgather(self, address: int, nbytes: int,
+                        fallback: Callable[[int], None]) -> Callable[[int], None] | None:
+        """A function of the receive buffer's address that gathers every rank's `nbytes`
+        at `address` into it, as small_broadcast."""
+        if nbytes * self._size > ALLGATHER_MAX_BYTES or not self._available:
+            return None
+        return _persistent.Planned(self._entry, self._wait, fallback, address, nbytes,
+                                   True, self._rank, self._size)
+
+    def _entry(self, key: tuple) -> _persistent.Kept | None:
+        kept = self._kept.get(key)
+        if kept is not None or not self._available:
+            return kept
+        nbytes = key[1] if key[0] == "broadcast" else key[1] * (1 + self._size)
+        if len(self._kept) >= _MAX_KEPT or self._kept_bytes + nbytes > _MAX_KEPT_BYTES:
             self.close()
         try:
-            entry = self._make(key)
+            kept = self._make(key)
         except NotImplementedError:  # mpi4py's word for an MPI before version 4
             self._available = False
             return None
-        self._kept[key] = entry
-        return entry
+        self._kept[key] = kept
+        self._kept_bytes += nbytes
+        return kept
 
-    def _make(self, key: tuple) -> tuple:
+    def _make(self, key: tuple) -> _persistent.Kept:
+        from mpi4py import MPI
+
         if key[0] == "broadcast":
             _, nbytes, root = key
-            buffer = np.empty(nbytes, dtype=np.uint8)
-            return self._comm.Bcast_init(buffer, root=root), buffer, buffer
-        nbytes = key[1]
-        sending = np.empty(nbytes, dtype=np.uint8)
-        receiving = np.empty(nbytes * self._size, dtype=np.uint8)
-        return self._comm.Allgather_init(sending, receiving), sending, receiving
+            sending = receiving = np.empty(nbytes, dtype=np.uint8)
+            request = self._comm.Bcast_init(sending, root=root)
+        else:
+            nbytes = key[1]
+            sending = np.empty(nbytes, dtype=np.uint8)
+            receiving = np.empty(nbytes * self._size, dtype=np.uint8)
+            request = self._comm.Allgather_init(sending, receiving)
+        return _persistent.Kept(request, MPI._addressof(request), sending, receiving)
 
     def close(self) -> None:
         """Free the requests, but one an abort left started (`_left_started`). Every
         rank closes at the same call, so all make the next ones in the same order."""
-        for entry in self._kept.values():
-            request = entry[0]
-            if request is self._started:
-                _left_started.append(entry)
-            else:
-                request.Free()
+        for kept in self._kept.values():
+            if kept.close():
+                _left_started.append(kept)
         self._kept.clear()
-        self._started = None
+        self._kept_bytes = 0
