@@ -1494,6 +1494,42 @@ class _CommBeforeMPI4:
     Allgather_init = Bcast_init
 
 
+def test_persistent_collectives_run_from_c_on_mpis_own_request():
+    """The C half (`_persistent`) starts and waits on the request inside mpi4py's own
+    object through the MPI library mpi4py loaded: on one process (MPI.COMM_SELF) the
+    data goes through its buffers, a tensor's planned call keeps its request, and a
+    closed request is freed in MPI and never run again."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+    from mpilab.rank.persistent import Persistent
+
+    waits = []
+    ways = Persistent(MPI.COMM_SELF, wait=waits.append)
+    data = np.arange(16, dtype=np.uint8)
+    assert ways.broadcast(data, 0)
+    got = np.zeros(64, np.uint8)
+    assert ways.allgather(np.arange(64, dtype=np.uint8), got)
+    assert np.array_equal(got, np.arange(64, dtype=np.uint8))
+    tensor, out = torch.arange(8, dtype=torch.float32), torch.zeros(1, 8)
+    gather = ways.small_allgather(tensor.data_ptr(), 32, fallback=None)
+    for _ in range(3):
+        out.zero_()
+        gather(out.data_ptr())
+        assert torch.equal(out[0], tensor)
+    assert sorted(ways._kept) == [("allgather", 32), ("allgather", 64), ("broadcast", 16, 0)]
+    kept = list(ways._kept.values())
+    requests = [k.request for k in kept]
+    ways.close()
+    assert not any(k.alive for k in kept) and all(r == MPI.REQUEST_NULL for r in requests)
+    with pytest.raises(RuntimeError, match="closed persistent request"):
+        kept[0].run(None, None, waits.append)
+    gather(out.data_ptr())  # made again at the next call
+    assert torch.equal(out[0], tensor) and len(ways._kept) == 1
+    ways.close()
+    assert waits == []  # each completed within the spin
+
+
 def test_persistent_collectives_step_aside_for_large_messages_and_older_mpi():
     """A broadcast or allgather that the persistent way does not take returns False with
     nothing done, so the caller's own way runs: above its sizes, and on an MPI before
