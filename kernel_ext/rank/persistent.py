@@ -18,7 +18,8 @@ while it is alive; other callers go through `broadcast` / `allgather`. The Pytho
 these calls cost 2-3 µs a call on each rank, and between hosts a rank's peer completes
 only once the rank is back asking MPI, so ranks that share a core paid it several times
 over: 4 ranks on 2 emulated hosts, at 4 KiB, the public calls went from 0.68-0.76× of
-mpi4py (broadcast) and 0.63-0.66× (allgather) to 0.87× and 0.83× (bench_multinode.py).
+mpi4py (broadcast) and 0.63-0.66× (allgather) to 0.95-1.04× and 0.98-1.04×
+(bench_multinode.py, two runs each).
 
 Which sizes go this way (4 ranks on 2 emulated hosts bound to cores, µs a call, median of
 7 loops): a broadcast of up to 4 KiB; from 16 KiB, through the nodes' shared memory and
@@ -80,7 +81,8 @@ class Persistent:
         self._wait = wait
         self._kept: dict[tuple, _persistent.Kept] = {}
         self._kept_bytes = 0
-        self._available = _bind()  # False once this MPI has shown it has none
+        # False where _persistent cannot call this MPI, or once it has shown it has none
+        self._available = _bind()
 
     def broadcast(self, flat: np.ndarray, root: int) -> bool:
         """`flat` (1-D uint8) from rank `root` to every rank; False (nothing done) where
