@@ -8,6 +8,11 @@ milliseconds: KeyboardInterrupt on the main thread (the notebook's stop button),
 `abort()`, which makes every wait on every thread of this rank raise
 CollectiveAborted (a rank whose peer failed must not wait for it forever).
 
+Two waits run in C by the same rules: the shared-memory engine's (`_ring.c`: spin, then
+yield the core with signal handlers run, then sleep, checking for an abort), and the
+first 200 µs of a small persistent collective (`_persistent.c`, which then calls the
+plan's wait here).
+
 Autograd runs gradient hooks and its end-of-backward callbacks on whichever thread runs
 the graph: for CUDA tensors a device thread of its own, while the main thread sits in
 C++ ``backward()``, where Python runs no signal handler. Two things keep such waits in
