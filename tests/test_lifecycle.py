@@ -298,7 +298,7 @@ def test_what_the_controller_forks_ends_with_the_controller():
     try:
         pids = dict(proc.stdout.readline().split() for _ in range(2))
         forked = [psutil.Process(int(pids[name])) for name in ("child", "grandchild")]
-        time.sleep(2.0)  # several of their parent checks
+        time.sleep(2.0)  # their parent alive: the signal is not sent
         assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in forked)
     finally:
         proc.kill()

@@ -5,7 +5,7 @@
  * the wait loop) took 2-3 µs more a call on each rank; ranks that share a core pay each
  * other's (a rank's peer completes only once it is back asking MPI). Here, for a tensor
  * with a plan (`Planned`), one call does all of it: copy in, MPI_Start, ask MPI_Test
- * until done or for at most `SPIN_S`, copy out. A wait longer than that goes to the
+ * until done or for at most `spin_s`, copy out. A wait longer than that goes to the
  * plan's Python wait (waiting.drive / wait_interruptibly), where the stop button and an
  * abort land as they do for every other wait.
  *
@@ -22,9 +22,9 @@
 #include <time.h>
 
 /* How long a wait asks MPI here before the plan's Python wait takes over: waiting.py's
- * spin (_SPIN_S), within which a small collective between hosts completes. An abort is
- * seen once the Python wait runs. */
-#define SPIN_S 0.0002
+ * spin (SPIN_S, given to `bind`), within which a small collective between hosts
+ * completes. An abort is seen once the Python wait runs. */
+static double spin_s;
 /* Between asks, at most this often, the core is yielded with the GIL released and
  * Python's signal handlers run. Yielding after every ask (as waiting.drive, whose asks
  * cost more) made ranks that share a core hand it back and forth for nothing: 4 ranks on
@@ -115,8 +115,12 @@ static int raise_mpi(int code)
 static int kept_run(Kept *self, const char *in, Py_ssize_t in_n, char *out, Py_ssize_t out_n,
                     PyObject *wait)
 {
-    if (!self->alive || mpi_start == NULL) {
+    if (!self->alive) {
         PyErr_SetString(PyExc_RuntimeError, "a closed persistent request was run");
+        return -1;
+    }
+    if (mpi_start == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a persistent request was run before bind()");
         return -1;
     }
     if (in_n > self->send_n || out_n > self->recv_n) {
@@ -137,7 +141,7 @@ static int kept_run(Kept *self, const char *in, Py_ssize_t in_n, char *out, Py_s
         if (code != 0 || flag)
             break;
         double t = now();
-        if (t - started > SPIN_S)
+        if (t - started > spin_s)
             break;
         if (t - yielded >= YIELD_EVERY_S) {
             if (PyErr_CheckSignals() < 0)
@@ -224,7 +228,6 @@ static PyMethodDef kept_methods[] = {
 };
 
 static PyMemberDef kept_members[] = {
-    {"started", T_INT, offsetof(Kept, started), READONLY, "started and not seen complete"},
     {"alive", T_INT, offsetof(Kept, alive), READONLY, "not yet closed"},
     {"request", T_OBJECT, offsetof(Kept, request), READONLY, "the mpi4py request"},
     {NULL},
@@ -382,13 +385,15 @@ static PyTypeObject PlannedType = {
 /* ---- the module ---------------------------------------------------------------- */
 
 PyDoc_STRVAR(bind_doc,
-"bind(start_address, test_address, exception): MPI_Start and MPI_Test of the MPI library\n"
-"mpi4py loaded, and mpi4py's MPI.Exception (raised with MPI's error code).");
+"bind(start_address, test_address, exception, spin_s): MPI_Start and MPI_Test of the MPI\n"
+"library mpi4py loaded, mpi4py's MPI.Exception (raised with MPI's error code), and how\n"
+"long a wait asks MPI here before the plan's wait takes over (waiting.SPIN_S).");
 
 static PyObject *bind(PyObject *unused, PyObject *args)
 {
     PyObject *start, *test, *exception;
-    if (!PyArg_ParseTuple(args, "OOO:bind", &start, &test, &exception))
+    double spin;
+    if (!PyArg_ParseTuple(args, "OOOd:bind", &start, &test, &exception, &spin))
         return NULL;
     void *s = PyLong_AsVoidPtr(start), *t = PyLong_AsVoidPtr(test);
     if (PyErr_Occurred())
@@ -399,6 +404,7 @@ static PyObject *bind(PyObject *unused, PyObject *args)
     }
     mpi_start = (start_fn)s;
     mpi_test = (test_fn)t;
+    spin_s = spin;
     Py_XSETREF(mpi_exception, Py_NewRef(exception));
     Py_RETURN_NONE;
 }
@@ -425,8 +431,7 @@ PyMODINIT_FUNC PyInit__persistent(void)
     if (m == NULL)
         return NULL;
     if (PyModule_AddObjectRef(m, "Kept", (PyObject *)&KeptType) < 0 ||
-        PyModule_AddObjectRef(m, "Planned", (PyObject *)&PlannedType) < 0 ||
-        PyModule_AddIntConstant(m, "SPIN_US", (long)(SPIN_S * 1e6)) < 0) {
+        PyModule_AddObjectRef(m, "Planned", (PyObject *)&PlannedType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

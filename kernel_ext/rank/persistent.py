@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from . import _persistent
+from . import _persistent, waiting
 
 BROADCAST_MAX_BYTES = 4 << 10
 ALLGATHER_MAX_BYTES = 1 << 20  # of the gathered result
@@ -64,7 +64,7 @@ def _bind() -> bool:
             library = ctypes.CDLL(MPI.__file__)  # already loaded: its MPI library's symbols
             _persistent.bind(ctypes.cast(library.MPI_Start, ctypes.c_void_p).value,
                              ctypes.cast(library.MPI_Test, ctypes.c_void_p).value,
-                             MPI.Exception)
+                             MPI.Exception, waiting.SPIN_S)
             _bound = MPI.Get_version() >= (4, 0)
         except (OSError, AttributeError, ValueError):
             _bound = False

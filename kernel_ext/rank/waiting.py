@@ -48,8 +48,9 @@ from typing import Any
 from . import agent as agent_mod
 from ._collective import kept_here
 
-# Spin briefly first (small messages finish in microseconds), then back off.
-_SPIN_S = 0.0002
+# Spin briefly first (small messages finish in microseconds), then back off; also how
+# long a small persistent collective asks MPI in C before the plan's wait (`persistent`).
+SPIN_S = 0.0002
 _MAX_SLEEP_S = 0.002
 
 _abort = threading.Event()
@@ -109,7 +110,7 @@ def poll(done: Callable[[], bool]) -> None:
     while not done():
         if _abort.is_set():
             raise CollectiveAborted(_abort_reason[0])
-        if time.perf_counter() - start > _SPIN_S:
+        if time.perf_counter() - start > SPIN_S:
             sleep = min(_MAX_SLEEP_S, sleep * 2 or 0.00005)
             time.sleep(sleep)
 
