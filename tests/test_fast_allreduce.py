@@ -9,6 +9,7 @@ mpiexec runs because each start costs seconds.
 from __future__ import annotations
 
 import pytest
+from mpilab.rank import across_nodes
 from mpirun import run_ranks
 
 # Ranks report one after another: lines printed at the same moment by two ranks can
@@ -298,10 +299,13 @@ r, n = ctx.rank, ctx.world_size
 route = plan_for(private_comm())
 places = route.places
 failures = []
-# small ones go by MPI's persistent collectives; a larger broadcast through the nodes and
-# leaders; a larger allgather through MPI's allgather, and from a part of
-# ALLGATHER_MIN_BYTES through the nodes and leaders
-for count in (1, 1000, persistent.ALLGATHER_MAX_BYTES // 4 + 3,
+# small ones go by MPI's persistent collectives; a larger broadcast between the nodes (by
+# stripes where the nodes are evenly filled, else by the leaders); a larger allgather
+# striped from a part of STRIPED_ALLGATHER_MIN_BYTES where the nodes are evenly filled,
+# else through MPI's allgather, and from a part of ALLGATHER_MIN_BYTES through the
+# nodes and leaders. Sizes that are no multiple of the stripes' alignment
+for count in (1, 1000, across_nodes.STRIPED_ALLGATHER_MIN_BYTES // 4 + 1000,
+              persistent.ALLGATHER_MAX_BYTES // 4 + 3,
               across_nodes.ALLGATHER_MIN_BYTES // 4 + 5):
     want = torch.arange(count, dtype=torch.float32)
     for root in range(n):
@@ -313,21 +317,27 @@ for count in (1, 1000, persistent.ALLGATHER_MAX_BYTES // 4 + 3,
     if not all(torch.equal(got[q], want + q) for q in range(n)):
         failures.append(f"allgather count={count}")
 report_in_turn({"failures": failures, "leaders": sorted(set(places.leader_of)),
-                "spans": places.spans, "persistent": sorted(route.persistent._kept)})
+                "spans": places.spans, "striped": route.peers is not None,
+                "persistent": sorted(route.persistent._kept)})
 """
 
 
-@pytest.mark.parametrize("n", [3, 4, 5])
+@pytest.mark.parametrize("n", [3, 4, 5, 8])
 def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
-    # nodes of 2 emulated ranks (the last one holding 1 where n is odd): the leaders
-    # pass a broadcast down a binomial tree (3 leaders: not a power of two) and an
-    # allgather's blocks round a ring
+    # nodes of 2 emulated ranks (the last one holding 1 where n is odd). 4 and 8 ranks:
+    # evenly filled nodes, 2 and 4 of them, so every node rank carries its stripe down a
+    # binomial tree of its peers (a broadcast) or its part round their ring (an
+    # allgather); 3 and 5: the leaders pass a broadcast down a binomial tree (3 leaders:
+    # not a power of two) and a large allgather's blocks round a ring
     results = run_ranks(IN_TURN + ACROSS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
     spans = [[first, min(2, n - first)] for first in range(0, n, 2)]
+    striped = n % 2 == 0
+    part = across_nodes.STRIPED_ALLGATHER_MIN_BYTES + 4000
     kept = sorted([["allgather", 4], ["allgather", 4000]]
+                  + ([] if striped else [["allgather", part]])
                   + [["broadcast", size, root] for size in (4, 4000) for root in range(n)])
     assert all(res == {"failures": [], "leaders": list(range(len(spans))), "spans": spans,
-                       "persistent": kept} for res in results), results
+                       "striped": striped, "persistent": kept} for res in results), results
 
 
 KEPT = """

@@ -290,13 +290,15 @@ def _make_plan(tensor: torch.Tensor) -> TensorPlan:
         plan.gather = engine.small_allgather(plan.ptr, plan.nbytes) or \
             functools.partial(_gather_into, engine.allgather, plan.raw, gathered)
     else:
-        # small ones by MPI's persistent collectives, in one C call (`persistent`)
+        # small ones by MPI's persistent collectives, in one C call (`persistent`), but an
+        # allgather that goes through the nodes' shared memory (`across_nodes`)
         broadcast = functools.partial(_mpi_broadcast, comm, plan.raw)
         gather = functools.partial(_gather_into, functools.partial(_mpi_allgather, comm),
                                    plan.raw, gathered)
         plan.broadcast = route.persistent.small_broadcast(plan.ptr, plan.nbytes, broadcast) \
             or broadcast
-        plan.gather = route.persistent.small_allgather(plan.ptr, plan.nbytes, gather) or gather
+        plan.gather = gather if across_nodes.takes_allgather(route, plan.nbytes) else \
+            route.persistent.small_allgather(plan.ptr, plan.nbytes, gather) or gather
     if len(_plans) >= _MAX_PLANS:
         _plans.clear()
     _plans[key] = plan
@@ -322,8 +324,8 @@ def _gather_into(gather: Callable[[np.ndarray, np.ndarray], None], send: np.ndar
 
 def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
     """A small message by MPI's persistent broadcast (`persistent`); a larger one, over
-    several nodes with shared memory within them, through it and the nodes' leaders
-    (`across_nodes`); else MPI's broadcast over every rank."""
+    several nodes with shared memory within them, through it and between the nodes by
+    point-to-point messages (`across_nodes`); else MPI's broadcast over every rank."""
     route = plan_for(comm)
     if route.persistent.broadcast(raw, root):
         return
@@ -334,12 +336,11 @@ def _mpi_broadcast(comm: Any, raw: np.ndarray, root: int) -> None:
 
 
 def _mpi_allgather(comm: Any, send: np.ndarray, recv: np.ndarray) -> None:
-    """As _mpi_broadcast where every node's ranks are consecutive and each rank's part
-    is large (`across_nodes.ALLGATHER_MIN_BYTES`); else MPI's allgather over every rank
-    (the plan's, persistent where small)."""
+    """Through the nodes' shared memory where every node's ranks are consecutive and
+    each rank's part is large enough (`across_nodes.takes_allgather`); else MPI's
+    allgather over every rank (the plan's, persistent where small)."""
     route = plan_for(comm)
-    if route.places is not None and route.places.spans is not None and \
-            send.nbytes >= across_nodes.ALLGATHER_MIN_BYTES:
+    if across_nodes.takes_allgather(route, send.nbytes):
         across_nodes.allgather(route, send, recv)
     else:
         route.allgather(send, recv)

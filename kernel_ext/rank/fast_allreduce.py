@@ -82,6 +82,10 @@ class Places:
     # by leader: (first rank, rank count) of its node, where every node holds consecutive
     # ranks (an allgather's node block is then one slice of the result); else None
     spans: list[tuple[int, int]] | None
+    members: list[list[int]]  # by leader: its node's ranks, in node-rank order
+    # by rank: its rank among the ranks of its node rank (in the plan's `peers`, where
+    # the plan has them)
+    peer_rank_of: list[int]
 
 
 @dataclass
@@ -244,10 +248,17 @@ def _places(comm, node_comm, leaders) -> Places:
     every = comm.allgather((leader, node_comm.Get_rank(), members[0], len(members),
                             consecutive))
     spans = {lead: (first, count) for lead, _, first, count, _ in every}
+    members: list[list[int]] = [[0] * count for _, count in
+                                (spans[lead] for lead in sorted(spans))]
+    peer_rank_of, seen = [], {}
+    for rank, (lead, node_rank, *_) in enumerate(every):
+        members[lead][node_rank] = rank
+        peer_rank_of.append(seen.get(node_rank, 0))  # as comm.Split(node_rank, rank) ranks
+        seen[node_rank] = peer_rank_of[-1] + 1
     return Places(comm.Get_rank(), [lead for lead, *_ in every],
                   [node_rank for _, node_rank, *_ in every],
                   [spans[lead] for lead in sorted(spans)]
-                  if all(ok for *_, ok in every) else None)
+                  if all(ok for *_, ok in every) else None, members, peer_rank_of)
 
 
 def _power_of_two(n: int) -> bool:

@@ -24,10 +24,12 @@ mpi4py (broadcast) and 0.63-0.66× (allgather) to 0.95-1.04× and 0.98-1.04×
 Which sizes go this way (4 ranks on 2 emulated hosts bound to cores, µs a call, median of
 7 loops): a broadcast of up to 4 KiB; from 16 KiB, through the nodes' shared memory and
 leaders (`across_nodes`) is as fast (16 KiB 49 against 47 this way, 64 KiB 164 against
-169; mpi4py's blocking ``Bcast`` 39 and 107). An allgather with up to 1 MiB of result: a
-part of 64 KiB 329 this way against 358 by ``MPI_Iallgather`` (mpi4py 292), 256 KiB
-1,728 against 1,847 (mpi4py 1,666), 1 MiB level (7,195 and 7,176), where the result's
-copies cost as much as the schedule saves.
+169; mpi4py's blocking ``Bcast`` 39 and 107), and striped over evenly filled nodes
+faster from 8 KiB. An allgather with up to 1 MiB of result: a part of 64 KiB 329 this
+way against 358 by ``MPI_Iallgather`` (mpi4py 292), 256 KiB 1,728 against 1,847 (mpi4py
+1,666), 1 MiB level (7,195 and 7,176), where the result's copies cost as much as the
+schedule saves; over evenly filled nodes, from a part of 8 KiB, striped through the
+nodes' shared memory (`across_nodes.takes_allgather`).
 """
 
 from __future__ import annotations
