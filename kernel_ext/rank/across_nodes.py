@@ -28,6 +28,8 @@ communicator's `Plan` (its node engine, its leaders' and peers' communicators, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .fast_allreduce import Plan
@@ -148,27 +150,36 @@ def allgather(plan: Plan, send: np.ndarray, recv: np.ndarray) -> None:
 
 def _striped_allgather(plan: Plan, send: np.ndarray, recv: np.ndarray) -> None:
     """Each rank's part round a ring of its peers (node rank j of every node, in node
-    order, as the spans are), then within every node each node's block gathered from
-    its ranks' parts."""
+    order, as the spans are), its own node's block gathered while the ring's first
+    messages are in flight, then within every node each other node's block gathered
+    from its ranks' parts."""
     part = send.nbytes
     places = plan.places
-    j = places.node_rank_of[places.rank]
-    recv[places.rank * part:(places.rank + 1) * part] = send
-    _ring(plan.peers, recv, [((first + j) * part, (first + j + 1) * part)
-                             for first, _ in places.spans])
-    for first, count in places.spans:
-        block = recv[first * part:(first + count) * part]
-        plan.node.allgather(block[j * part:(j + 1) * part], block)
+    j, spans = places.node_rank_of[places.rank], places.spans
+    first, count = spans[places.leader_of[places.rank]]
+    _ring(plan.peers, recv, [((f + j) * part, (f + j + 1) * part) for f, _ in spans], send,
+          lambda: plan.node.allgather(send, recv[first * part:(first + count) * part]))
+    for f, n in spans:
+        if f != first:
+            block = recv[f * part:(f + n) * part]
+            plan.node.allgather(block[j * part:(j + 1) * part], block)
 
 
-def _ring(comm, recv: np.ndarray, blocks: list[tuple[int, int]]) -> None:
+def _ring(comm, recv: np.ndarray, blocks: list[tuple[int, int]],
+          own: np.ndarray | None = None, meanwhile: Callable[[], None] | None = None) -> None:
     """Each rank's block of `recv` (its (start, end) in `blocks`, by rank of `comm`: the
     leaders or one node rank's peers) to every rank: at step k each sends the block it
-    got at step k-1 to the next rank and receives one from the one before."""
+    got at step k-1 to the next rank and receives one from the one before. `own`: this
+    rank's block where it is not in `recv` yet (the first step sends it from there);
+    `meanwhile` runs while the first step's messages are in flight."""
     size, me = comm.Get_size(), comm.Get_rank()
     right, left = (me + 1) % size, (me - 1) % size
     for step in range(size - 1):
         out_start, out_end = blocks[(me - step) % size]
         in_start, in_end = blocks[(me - step - 1) % size]
-        drive_all([comm.Irecv(recv[in_start:in_end], left, _TAG),
-                   comm.Isend(recv[out_start:out_end], right, _TAG)])
+        out = own if step == 0 and own is not None else recv[out_start:out_end]
+        requests = [comm.Irecv(recv[in_start:in_end], left, _TAG),
+                    comm.Isend(out, right, _TAG)]
+        if step == 0 and meanwhile is not None:
+            meanwhile()
+        drive_all(requests)
