@@ -247,7 +247,7 @@ from mpilab.rank import fast_allreduce as fa
 comm, n, r = ctx.comm, ctx.world_size, ctx.rank
 plan = fa.plan_for(comm)
 out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None,
-       "spread": plan.peers is not None}
+       "spread": plan.spread}
 failures, digests = [], []
 # spread over full nodes: below SPLIT_MIN_BYTES whole buffers cross, from it each
 # rank's slice (odd counts: slices of unequal length), chunk by chunk (the last one
@@ -322,13 +322,13 @@ report_in_turn({"failures": failures, "leaders": sorted(set(places.leader_of)),
 """
 
 
-@pytest.mark.parametrize("n", [3, 4, 5, 8])
+@pytest.mark.parametrize("n", [3, 4, 5, 6, 8])
 def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
-    # nodes of 2 emulated ranks (the last one holding 1 where n is odd). 4 and 8 ranks:
-    # evenly filled nodes, 2 and 4 of them, so every node rank carries its stripe down a
-    # binomial tree of its peers (a broadcast) or its part round their ring (an
-    # allgather); 3 and 5: the leaders pass a broadcast down a binomial tree (3 leaders:
-    # not a power of two) and a large allgather's blocks round a ring
+    # nodes of 2 emulated ranks (the last one holding 1 where n is odd). 4, 6 and 8
+    # ranks: evenly filled nodes, 2, 3 and 4 of them, so every node rank carries its
+    # stripe down a binomial tree of its peers (a broadcast) or its part round their ring
+    # (an allgather); 3 and 5: the leaders pass a broadcast down a binomial tree (3
+    # leaders: not a power of two) and a large allgather's blocks round a ring
     results = run_ranks(IN_TURN + ACROSS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
     spans = [[first, min(2, n - first)] for first in range(0, n, 2)]
     striped = n % 2 == 0

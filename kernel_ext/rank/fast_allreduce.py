@@ -105,8 +105,9 @@ class Plan:
     # (its point-to-point messages never meet a caller's), on the hierarchical one the
     # leaders' (None on a rank that takes part through shared memory only)
     between: object | None
-    # where every node holds as many ranks and the node count is a power of two: the
-    # ranks with this rank's node rank, one per node (`_spread` reduces over them)
+    # where every node holds as many ranks: the ranks with this rank's node rank, one
+    # per node (the broadcast and allgather stripe over them, `across_nodes`; where the
+    # node count is a power of two, `_spread` reduces over them)
     peers: object | None = None
     places: Places | None = None  # on the hierarchical path
 
@@ -116,6 +117,7 @@ class Plan:
         size = self.between.Get_size() if self.between is not None else 0
         # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
         self.exchange = size > 1 and _power_of_two(size)
+        self.spread = self.peers is not None and _power_of_two(self.peers.Get_size())
         self._scratch = np.empty(0, dtype=np.uint8)
         self.persistent = Persistent(self.comm, self.wait)
 
@@ -231,7 +233,7 @@ def _make_plan(comm) -> Plan:
         if leaders == MPI.COMM_NULL:
             leaders = None
     peers = None
-    if shared and nodes > 1 and _power_of_two(nodes) and \
+    if shared and nodes > 1 and \
             len(set(comm.allgather(node_comm.Get_size()))) == 1:  # every node as full
         peers = comm.Split(node_rank, comm.Get_rank())
     between = leaders if shared else comm.Dup()
@@ -347,7 +349,7 @@ def reducer(comm) -> Callable[[np.ndarray, str], None]:
 def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
     """Within each node through shared memory, among the node leaders over MPI, and
     back within each node; on evenly filled nodes, spread over every rank (_spread)."""
-    if plan.peers is not None:
+    if plan.spread:
         _spread(flat, op, plan)
         return
     if plan.node is not None:
