@@ -6,18 +6,18 @@ the network one by one and need every rank to drive them (and MPICH builds their
 schedule at every call, which costs more than a few KiB's trip between hosts); here the
 nodes' copies run through shared memory at memory speed, and between the nodes:
 
-- **striped**, where every node holds as many ranks (the plan's `peers`, as the
-  allreduce's `_spread` where the node count is a power of two): node rank j carries the j-th
-  share of the message to node rank j of every other node, so every rank's link carries
-  a share and no one rank sends it all. A broadcast: the root's node gets the whole
-  message, each of its ranks sends its stripe down a binomial tree of its peers, and the
-  other nodes gather the stripes. An allgather: each rank's part goes round a ring of
-  its peers, then every node gathers each node's block. 2 emulated hosts of 2 ranks,
-  µs a call (a one-off script, median of 7 loops, against the leaders' way): broadcast
-  8 KiB 15-17 against 23-24 (mpi4py 26), 1 MiB 670 against 770 (930), 8 MiB 4,400
-  against 8,000 (7,000); allgather, a part of 8 KiB 70-75 against 78-80 by MPI's
-  persistent allgather (mpi4py 67-69), 32 KiB 90-132 against 128-162 (110-141), 256 KiB
-  390-970 against 880-1,640 (830-1,560).
+- **striped**, where every node holds as many ranks (the plan's `peers`, over which
+  the allreduce's `_spread` runs where the node count is a power of two): node rank j
+  carries the j-th share of the message to node rank j of every other node, so every
+  rank's link carries a share and no one rank sends it all. A broadcast: the root's node
+  gets the whole message, each of its ranks sends its stripe down a binomial tree of its
+  peers, and the other nodes gather the stripes. An allgather: each rank's part goes
+  round a ring of its peers, then every node gathers each node's block. 2 emulated hosts
+  of 2 ranks, µs a call (a one-off script, median of 7 loops, against the way before):
+  broadcast 8 KiB 15-17 against 23-24 through the leaders (mpi4py 26), 1 MiB 670
+  against 770 (930), 8 MiB 4,400 against 8,000 (7,000); allgather, a part of 8 KiB
+  70-75 against 78-80 by MPI's persistent allgather (mpi4py 67-69), 32 KiB 90-132
+  against 128-162 (110-141), 256 KiB 390-970 against 880-1,640 (830-1,560).
 - through **one leader per node** elsewhere: a binomial tree of the leaders for a
   broadcast; for an allgather of a large part (ALLGATHER_MIN_BYTES) with every node's
   ranks consecutive, the node blocks round a ring of the leaders.
@@ -65,11 +65,12 @@ def broadcast(plan: Plan, flat: np.ndarray, root: int) -> None:
     rank: striped over evenly filled nodes; else within the root's node first where the
     root does not lead it, then between the leaders, then within each other node."""
     places = plan.places
-    raw = flat.view(np.uint8)
-    stripe = raw.nbytes // len(places.members[0]) // _ALIGN * _ALIGN
-    if plan.peers is not None and stripe:
-        _striped_broadcast(plan, raw, root, stripe)
-        return
+    if plan.peers is not None:
+        raw = flat.view(np.uint8)
+        stripe = raw.nbytes // len(places.members[0]) // _ALIGN * _ALIGN
+        if stripe:
+            _striped_broadcast(plan, raw, root, stripe)
+            return
     root_leader, root_node_rank = places.leader_of[root], places.node_rank_of[root]
     in_root_node = places.leader_of[places.rank] == root_leader
     from_root_first = in_root_node and root_node_rank != 0
@@ -129,11 +130,10 @@ def allgather(plan: Plan, send: np.ndarray, recv: np.ndarray) -> None:
     else each node gathers its block into the result, the leaders pass the blocks round
     a ring, and each leader broadcasts the other nodes' blocks (before and after its
     own) within its node."""
-    part = send.nbytes
-    spans = plan.places.spans
     if plan.peers is not None:
         _striped_allgather(plan, send, recv)
         return
+    part, spans = send.nbytes, plan.places.spans
     mine = plan.places.leader_of[plan.places.rank]
     first, count = spans[mine]
     if plan.node is not None:

@@ -314,9 +314,9 @@ def _drop_plan(key: int, ref: weakref.ref) -> None:
 
 @functools.lru_cache(maxsize=64)
 def _byte_view(ptr: int, nbytes: int) -> np.ndarray:
-    """A uint8 NumPy array over `nbytes` of memory at `ptr`, not owning it (kept for the
-    next call with the same memory: a view made afresh for every call made gathering
-    8 KiB parts between two emulated hosts 8-10 µs slower, one-off)."""
+    """A uint8 NumPy array over `nbytes` of memory at `ptr`, not owning it; kept for the
+    next call with the same memory (with a view made afresh at every call, gathering
+    8 KiB parts between two emulated hosts took 8-10 µs longer a call, one-off)."""
     return np.frombuffer((ctypes.c_char * nbytes).from_address(ptr), np.uint8)
 
 

@@ -245,13 +245,11 @@ def _places(comm, node_comm, leaders) -> Places:
     """Every rank's node leader and node rank, and the nodes' spans of ranks where
     each node's are consecutive (collective on `comm`)."""
     leader = node_comm.bcast(leaders.Get_rank() if leaders is not None else -1, root=0)
-    members = node_comm.allgather(comm.Get_rank())
-    consecutive = members == list(range(members[0], members[0] + len(members)))
-    every = comm.allgather((leader, node_comm.Get_rank(), members[0], len(members),
-                            consecutive))
+    mine = node_comm.allgather(comm.Get_rank())  # this node's ranks
+    consecutive = mine == list(range(mine[0], mine[0] + len(mine)))
+    every = comm.allgather((leader, node_comm.Get_rank(), mine[0], len(mine), consecutive))
     spans = {lead: (first, count) for lead, _, first, count, _ in every}
-    members: list[list[int]] = [[0] * count for _, count in
-                                (spans[lead] for lead in sorted(spans))]
+    members = [[0] * count for _, count in (spans[lead] for lead in sorted(spans))]
     peer_rank_of, seen = [], {}
     for rank, (lead, node_rank, *_) in enumerate(every):
         members[lead][node_rank] = rank
