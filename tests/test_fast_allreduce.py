@@ -299,6 +299,12 @@ r, n = ctx.rank, ctx.world_size
 route = plan_for(private_comm())
 places = route.places
 failures = []
+striped = {"broadcast": 0, "allgather": 0}  # calls that went the striped way
+for kind in striped:
+    def counting(*args, kind=kind, way=getattr(across_nodes, f"_striped_{kind}")):
+        striped[kind] += 1
+        return way(*args)
+    setattr(across_nodes, f"_striped_{kind}", counting)
 # small ones go by MPI's persistent collectives; a larger broadcast between the nodes (by
 # stripes where the nodes are evenly filled, else by the leaders); a larger allgather
 # striped from a part of STRIPED_ALLGATHER_MIN_BYTES where the nodes are evenly filled,
@@ -317,7 +323,7 @@ for count in (1, 1000, across_nodes.STRIPED_ALLGATHER_MIN_BYTES // 4 + 1000,
     if not all(torch.equal(got[q], want + q) for q in range(n)):
         failures.append(f"allgather count={count}")
 report_in_turn({"failures": failures, "leaders": sorted(set(places.leader_of)),
-                "spans": places.spans, "striped": route.peers is not None,
+                "spans": places.spans, "striped": striped,
                 "persistent": sorted(route.persistent._kept)})
 """
 
@@ -331,11 +337,14 @@ def test_broadcast_and_allgather_through_the_nodes_and_their_leaders(n):
     # leaders: not a power of two) and a large allgather's blocks round a ring
     results = run_ranks(IN_TURN + ACROSS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
     spans = [[first, min(2, n - first)] for first in range(0, n, 2)]
-    striped = n % 2 == 0
+    even = n % 2 == 0
     part = across_nodes.STRIPED_ALLGATHER_MIN_BYTES + 4000
     kept = sorted([["allgather", 4], ["allgather", 4000]]
-                  + ([] if striped else [["allgather", part]])
+                  + ([] if even else [["allgather", part]])
                   + [["broadcast", size, root] for size in (4, 4000) for root in range(n)])
+    # striped where even: the three larger sizes' broadcasts from every root and gathers
+    striped = {"broadcast": 3 * n, "allgather": 3} if even else \
+        {"broadcast": 0, "allgather": 0}
     assert all(res == {"failures": [], "leaders": list(range(len(spans))), "spans": spans,
                        "striped": striped, "persistent": kept} for res in results), results
 

@@ -73,7 +73,7 @@ SPLIT_MIN_BYTES = 48 << 10
 @dataclass
 class Places:
     """Where each rank of a communicator over several nodes sits, for the broadcast and
-    the allgather that go through each node's shared memory and one leader per node
+    the allgather that go through each node's shared memory and between the nodes
     (`across_nodes`)."""
 
     rank: int  # this rank's
@@ -242,23 +242,23 @@ def _make_plan(comm) -> Plan:
 
 
 def _places(comm, node_comm, leaders) -> Places:
-    """Every rank's node leader and node rank, and the nodes' spans of ranks where
-    each node's are consecutive (collective on `comm`)."""
+    """Every rank's node leader and node rank, each node's ranks, each rank's place
+    among its peers, and the nodes' spans of ranks where each node's are consecutive
+    (collective on `comm`)."""
     leader = node_comm.bcast(leaders.Get_rank() if leaders is not None else -1, root=0)
-    mine = node_comm.allgather(comm.Get_rank())  # this node's ranks
-    consecutive = mine == list(range(mine[0], mine[0] + len(mine)))
-    every = comm.allgather((leader, node_comm.Get_rank(), mine[0], len(mine), consecutive))
-    spans = {lead: (first, count) for lead, _, first, count, _ in every}
-    members = [[0] * count for _, count in (spans[lead] for lead in sorted(spans))]
+    every = comm.allgather((leader, node_comm.Get_rank()))
+    members: list[list[int]] = [[] for _ in range(1 + max(lead for lead, _ in every))]
     peer_rank_of, seen = [], {}
-    for rank, (lead, node_rank, *_) in enumerate(every):
-        members[lead][node_rank] = rank
+    for rank, (lead, node_rank) in enumerate(every):  # node ranks follow ranks (the split's key)
+        members[lead].append(rank)
         peer_rank_of.append(seen.get(node_rank, 0))  # as comm.Split(node_rank, rank) ranks
         seen[node_rank] = peer_rank_of[-1] + 1
-    return Places(comm.Get_rank(), [lead for lead, *_ in every],
-                  [node_rank for _, node_rank, *_ in every],
-                  [spans[lead] for lead in sorted(spans)]
-                  if all(ok for *_, ok in every) else None, members, peer_rank_of)
+    consecutive = all(ranks == list(range(ranks[0], ranks[0] + len(ranks)))
+                      for ranks in members)
+    return Places(comm.Get_rank(), [lead for lead, _ in every],
+                  [node_rank for _, node_rank in every],
+                  [(ranks[0], len(ranks)) for ranks in members] if consecutive else None,
+                  members, peer_rank_of)
 
 
 def _power_of_two(n: int) -> bool:
