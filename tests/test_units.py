@@ -221,6 +221,47 @@ def test_recovery_hooks_of_replaced_objects_drop_out(monkeypatch):
     assert len(waiting._recover_hooks) == 1
 
 
+def test_a_wait_given_up_cancels_its_receive_and_keeps_its_send_till_done(monkeypatch):
+    """A stop or an abort while a rank drives its messages: MPI may still move them
+    whenever the rank next asks it anything. The receive is cancelled, so a message
+    that comes later never lands in the buffer; the send, which MPI cannot cancel once
+    begun, keeps its buffer alive until it completes (freed, it would be read or
+    written after the memory went back), and is let go at the recovery after it does.
+    Real MPI on one process (a dup of MPI.COMM_SELF)."""
+    import gc
+    import weakref
+
+    import numpy as np
+    from mpi4py import MPI
+    from mpilab.rank import waiting
+
+    monkeypatch.setattr(waiting, "_recover_hooks", [])
+    monkeypatch.setattr(waiting, "_abandoned", [])
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        received = np.zeros(1 << 20, np.uint8)
+        outgoing = np.ones(4 << 20, np.uint8)  # past MPICH's eager size: pending till matched
+        sent = weakref.ref(outgoing)
+        receive = comm.Irecv(received, 0, 1)
+        waiting.abort("test")
+        with pytest.raises(waiting.CollectiveAborted, match="test"):
+            waiting.drive_all([receive, comm.Isend(outgoing, 0, 2)], [receive])
+        del outgoing
+        gc.collect()
+        assert sent() is not None and len(waiting._abandoned) == 1
+        late = comm.Isend(np.full(1 << 20, 7, np.uint8), 0, 1)  # what the receive awaited
+        assert not late.Test() and not received.any()
+        comm.Recv(np.empty(4 << 20, np.uint8), 0, 2)  # the send's peer arrives
+        late.Cancel()
+        late.Wait()
+        waiting.recover()
+        gc.collect()
+        assert sent() is None and waiting._abandoned == [] and not received.any()
+    finally:
+        waiting.recover()
+        comm.Free()
+
+
 class _QuietCluster:
     """What Watchdog reads of a cluster: heartbeats in a store, no local processes."""
 

@@ -111,7 +111,7 @@ def _tree_broadcast(comm, flat: np.ndarray, root: int) -> None:
     mask = 1
     while mask < size:
         if me & mask:
-            drive(comm.Irecv(flat, (me - mask + root) % size, _TAG))
+            drive(comm.Irecv(flat, (me - mask + root) % size, _TAG), receive=True)
             break
         mask <<= 1
     sends = []
@@ -178,8 +178,6 @@ def _ring(comm, recv: np.ndarray, blocks: list[tuple[int, int]],
         out_start, out_end = blocks[(me - step) % size]
         in_start, in_end = blocks[(me - step - 1) % size]
         out = own if step == 0 and own is not None else recv[out_start:out_end]
-        requests = [comm.Irecv(recv[in_start:in_end], left, _TAG),
-                    comm.Isend(out, right, _TAG)]
-        if step == 0 and meanwhile is not None:
-            meanwhile()
-        drive_all(requests)
+        receive = comm.Irecv(recv[in_start:in_end], left, _TAG)
+        drive_all([receive, comm.Isend(out, right, _TAG)], [receive],
+                  meanwhile if step == 0 else None)

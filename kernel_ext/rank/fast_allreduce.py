@@ -294,8 +294,8 @@ def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     mask = 1
     while mask < size:
         peer = me ^ mask
-        drive_all([comm.Irecv(incoming, peer, _EXCHANGE_TAG),
-                    comm.Isend(flat, peer, _EXCHANGE_TAG)])
+        receive = comm.Irecv(incoming, peer, _EXCHANGE_TAG)
+        drive_all([receive, comm.Isend(flat, peer, _EXCHANGE_TAG)], [receive])
         combine(flat, incoming, out=flat)
         mask <<= 1
 

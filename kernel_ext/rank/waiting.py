@@ -29,6 +29,16 @@ An abandoned collective leaves the communicator it used out of step across ranks
 after an abort all ranks call `recover()` together: it runs the hooks that rebuild
 mpilab's private communicators, torch.distributed's group where it may hold a broken
 collective, and shared-memory state, then clears the abort.
+
+An MPI request a wait gives up on may still be moved by MPI later, whenever this rank
+next asks MPI anything: a receive would write into its buffer, a send read from it. So
+a wait that raises (`wait_interruptibly`, `drive`, `drive_all`) cancels its point-to-point
+receives (one cancelled before it matched never writes) and keeps every request that
+has not completed, with the buffer it holds, until it is seen complete (`_abandoned`).
+Otherwise the buffer could be freed under MPI: a collective's output, for one, goes as
+the exception leaves the call, and a late write would land in freed memory. Sends are
+not cancelled (MPICH cannot cancel one it has begun) nor are collectives (MPI forbids
+it); a persistent request stays with its owner (`persistent`).
 """
 
 from __future__ import annotations
@@ -40,8 +50,8 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from threading import get_ident
 from typing import Any
 
@@ -57,6 +67,10 @@ _abort = threading.Event()
 _abort_reason = ["aborted"]
 # each gives its hook, or None once the object of a bound-method hook is gone
 _recover_hooks: list[Callable[[], Callable[[], None] | None]] = []
+
+# requests a wait gave up on before they completed (see the module's docstring)
+_abandoned: list = []
+_abandoned_lock = threading.Lock()
 
 INTERRUPTED = "the cell was interrupted"  # the reason the engine's SIGINT handler gives
 
@@ -98,7 +112,37 @@ def recover() -> None:
             _recover_hooks.remove(ref)
         else:
             hook()
+    _settle_abandoned()
     _abort.clear()
+
+
+def _abandon(requests: Sequence, receives: Sequence = ()) -> None:
+    """A wait gave up on `requests`: cancel `receives` (point-to-point receives among
+    them) and keep those not complete, with their buffers, until they are."""
+    from mpi4py import MPI
+
+    for request in receives:
+        with suppress(MPI.Exception):
+            request.Cancel()
+    with _abandoned_lock:
+        _abandoned.extend(r for r in requests if not isinstance(r, MPI.Prequest))
+    _settle_abandoned()
+
+
+def _settle_abandoned() -> None:
+    """Let go of the abandoned requests that have completed (cancelled, done, or failed:
+    MPI no longer touches their buffers)."""
+    with _abandoned_lock:
+        _abandoned[:] = [r for r in _abandoned if not _completes(r)]
+
+
+def _completes(request) -> bool:
+    from mpi4py import MPI
+
+    try:
+        return request.Test()
+    except MPI.Exception:
+        return True
 
 
 def poll(done: Callable[[], bool]) -> None:
@@ -116,28 +160,47 @@ def poll(done: Callable[[], bool]) -> None:
 
 
 def wait_interruptibly(request) -> None:
-    """Wait for an mpi4py Request, staying responsive to signals and aborts."""
-    poll(request.Test)
+    """Wait for an mpi4py Request, staying responsive to signals and aborts; kept where
+    the wait raises (`_abandoned`)."""
+    try:
+        poll(request.Test)
+    except BaseException:
+        _abandon((request,))
+        raise
 
 
-def drive(request) -> None:
+def drive(request, receive: bool = False) -> None:
     """Wait for an mpi4py Request whose data crosses the network: MPI moves it only
     while it is asked (each Test is a step of the transport's progress), so keep asking,
     yielding the core between asks, as MPI's own blocking wait would, and stay
     interruptible. A backoff that sleeps between asks leaves a megabyte in flight for
-    tens of ms."""
-    while not request.Test():
-        check_abort()
-        os.sched_yield()
+    tens of ms. `receive`: it is a point-to-point receive (cancelled where the wait
+    raises; kept either way, `_abandoned`)."""
+    try:
+        while not request.Test():
+            check_abort()
+            os.sched_yield()
+    except BaseException:
+        _abandon((request,), (request,) if receive else ())
+        raise
 
 
-def drive_all(requests: list) -> None:
-    """drive() for several requests at once."""
+def drive_all(requests: list, receives: Sequence = (),
+              meanwhile: Callable[[], None] | None = None) -> None:
+    """drive() for several requests at once; `receives`: the point-to-point receives
+    among them. `meanwhile` runs first, while they are in flight (abandoned with them
+    where it raises)."""
     from mpi4py import MPI
 
-    while not MPI.Request.Testall(requests):
-        check_abort()
-        os.sched_yield()
+    try:
+        if meanwhile is not None:
+            meanwhile()
+        while not MPI.Request.Testall(requests):
+            check_abort()
+            os.sched_yield()
+    except BaseException:
+        _abandon(requests, receives)
+        raise
 
 
 def wait_event(event: threading.Event, check_s: float = 0.01) -> None:
