@@ -425,6 +425,46 @@ def test_interrupt_lands_and_later_calls_say_why():
     assert results[1] == []
 
 
+STOPPED_TWICE = """
+import threading, time
+import torch
+from mpilab.rank import waiting
+
+mpilab.allreduce(torch.ones(4))  # the communicators and their plans exist on both ranks
+failures = []
+for stop in range(3):
+    if ctx.rank == 0:
+        # rank 1 never joins: rank 0's half of the exchange reaches it, unreceived
+        threading.Timer(0.5, waiting.abort, ("stopped",)).start()
+        try:
+            mpilab.allreduce(torch.ones(4))
+            failures.append("not stopped")
+        except waiting.CollectiveAborted:
+            pass
+    time.sleep(1.0)
+    waiting.abort("stopped")
+    waiting.recover()  # frees the communicators the recovery before replaced
+    x = torch.ones(1)
+    try:
+        mpilab.allreduce(x)
+    except Exception as e:
+        failures.append(f"after stop {stop}: {e}")
+    else:
+        if x.item() != 2:
+            failures.append(f"after stop {stop}: {x.item()}")
+report_in_turn({"failures": failures, "abandoned": len(waiting._abandoned)})
+"""
+
+
+def test_a_collective_stopped_again_and_again_leaves_nothing_for_the_next_ones():
+    # 2 emulated nodes of 1 rank: the allreduce exchanges point-to-point messages. Rank
+    # 0's messages to rank 1, who never came, stay unreceived; the recovery after the
+    # next frees their communicator, whose context MPI gives to one made then: they
+    # would be taken for the next allreduce's own (unless drained first)
+    results = run_ranks(IN_TURN + STOPPED_TWICE, n=2, env={"MPILAB_EMULATE_NODE_SIZE": "1"})
+    assert results == [{"failures": [], "abandoned": 0}] * 2, results
+
+
 def test_parse_sizes():
     from mpilab.wire import parse_sizes
 

@@ -55,7 +55,7 @@ import numpy as np
 
 from .persistent import Persistent
 from .shm import UFUNCS, ShmEngine
-from .waiting import drive, drive_all, wait_interruptibly
+from .waiting import drain, drive, drive_all, wait_interruptibly
 
 _KINDS = "fiu"
 _OPS = frozenset(("sum", "max", "min"))
@@ -145,10 +145,10 @@ class Plan:
         self.persistent.close()
         if self.node is not None:
             self.node.close()
-        if self.between is not None and self.between is not self.leaders:
-            self.between.Free()
-        for c in (self.peers, self.leaders, self.node_comm):
+        between = self.between if self.between is not self.leaders else None
+        for c in (between, self.peers, self.leaders, self.node_comm):
             if c is not None:
+                drain(c)
                 c.Free()
 
 
@@ -188,6 +188,7 @@ def free(comm) -> None:
     of a bench; reproduced with two ranks and a pending Iallreduce."""
     if _keyval is not None:
         comm.Delete_attr(_keyval)
+    drain(comm)
     comm.Free()
 
 

@@ -39,6 +39,13 @@ Otherwise the buffer could be freed under MPI: a collective's output, for one, g
 the exception leaves the call, and a late write would land in freed memory. Sends are
 not cancelled (MPICH cannot cancel one it has begun) nor are collectives (MPI forbids
 it); a persistent request stays with its owner (`persistent`).
+
+The messages such a wait's peers sent may also reach this rank after it stopped
+waiting, or before it began: MPI keeps them, unreceived, and once their communicator is
+freed a communicator made later can be given its context, where they would be taken for
+that one's own messages (seen: a stopped exchange's 16 bytes taken by the next cell's
+4-byte allreduce, a truncation error; of the same size, wrong data without an error).
+So a communicator is drained (`drain`) before mpilab frees it.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ from ._collective import kept_here
 # long a small persistent collective asks MPI in C before the plan's wait (`persistent`).
 SPIN_S = 0.0002
 _MAX_SLEEP_S = 0.002
+# how long `drain` waits for one stale message's data (a large one sent by rendezvous
+# moves only once its sender's MPI makes progress)
+DRAIN_S = 5.0
 
 _abort = threading.Event()
 _abort_reason = ["aborted"]
@@ -134,6 +144,25 @@ def _settle_abandoned() -> None:
     MPI no longer touches their buffers)."""
     with _abandoned_lock:
         _abandoned[:] = [r for r in _abandoned if not _completes(r)]
+
+
+def drain(comm) -> None:
+    """Receive and drop the point-to-point messages that reached `comm` and that no one
+    will receive, before it is freed (see the module's docstring); one whose data is
+    not in after DRAIN_S is abandoned (kept, with its buffer). Called by every rank of a
+    communicator as it frees it, after an abort's recovery, when the messages of the
+    stopped collectives have long arrived."""
+    from mpi4py import MPI
+
+    status = MPI.Status()
+    while (message := comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+        request = message.Irecv([bytearray(status.Get_count(MPI.BYTE)), MPI.BYTE])
+        deadline = time.monotonic() + DRAIN_S
+        while not request.Test():
+            if time.monotonic() > deadline:
+                _abandon((request,))
+                break
+            os.sched_yield()
 
 
 def _completes(request) -> bool:
