@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from . import across_nodes, reduction, torch_group, waiting
+from . import agent as agent_mod
 from ._collective import planned, run_planned
 from .context import context, is_initialized
 from .fast_allreduce import free, plan_for, reducer
@@ -43,6 +44,12 @@ _HOST_TRANSPORTS = ("auto", "mpi")  # what a CPU tensor resolves to over MPI
 _comms: dict[str, Any] = {}
 # the ones the last recovery replaced: freed by the next (see _renew_comms)
 _retired: list[Any] = []
+# the ones a recovery replaced where a broadcast may have been left half done: never
+# freed (see _broadcast_left_behind)
+_quarantined: list[Any] = []
+# the number of the first collective on the current ones (the recovery that made them
+# aligns every rank's numbers to the highest)
+_first_number = [1]
 
 
 def _make_comms(interruptible: bool = True) -> None:
@@ -71,12 +78,39 @@ def _renew_comms() -> None:
     communicators, and MPICH gives a process 2,048, so a notebook whose cells were
     stopped some 220 times in collectives could recover no more. Not the ones replaced
     now: a hook that runs after this one (DataParallel's communication thread) may
-    still hold them."""
+    still hold them. Nor ones where a broadcast may have been left half done
+    (`_broadcast_left_behind`): those are kept for good."""
     _plans.clear()
     while _retired:
         free(_retired.pop(0))
-    _retired.extend(_comms.values())
+    (_quarantined if _broadcast_left_behind() else _retired).extend(_comms.values())
     _make_comms(interruptible=False)
+
+
+def _broadcast_left_behind() -> bool:
+    """Whether a broadcast may have completed on some ranks and not begun on others,
+    judged alike on every rank from all ranks' collective numbers and last collectives
+    (the agent's `seq` and `recent`; a recovery hook, before they are aligned).
+
+    A broadcast's root, and the ranks above a leaf in its tree, finish without the leaf.
+    If the leaf never began it, their messages wait in MPI's queues on the leaf, and no
+    request of anyone's holds the communicator, so once freed its context can go to a
+    communicator made later, whose broadcasts would take them for their own: the leaf
+    gets the stopped broadcast's data, and from then on each broadcast's data one call
+    late, without an error (seen with two ranks and MPI_Bcast_init). MPI offers no way
+    to receive a collective's stray messages. Every other collective of mpilab's needs
+    every rank's part before any rank finishes it, so a rank that began it holds the
+    communicator until it completes, which it never does; point-to-point messages are
+    drained before a free (`waiting.drain`)."""
+    state = agent_mod.current().state
+    everyone = context().comm.allgather((state.seq, [item[:2] for item in state.recent]))
+    low = max(_first_number[0], min(seq for seq, _ in everyone))
+    _first_number[0] = max(seq for seq, _ in everyone) + 1
+    for seq, recent in everyone:
+        ops = dict(recent)
+        if any(ops.get(number, "broadcast") == "broadcast" for number in range(low, seq + 1)):
+            return True  # a broadcast among them, or one beyond the ones kept
+    return False
 
 
 def _renew_torch_group() -> None:
