@@ -666,6 +666,20 @@ class RankCluster:
         except Exception:  # noqa: BLE001 - a failed recovery means restart
             return False
 
+    def realign(self, timeout: float = 15.0) -> tuple[bool, list[int] | None]:
+        """After a cell that failed on some ranks: whether every rank answered, and their
+        collective numbers where they differed (mpilab's communicators then made again
+        on every rank: `mpilab.rank.bootstrap.realign`)."""
+        from .rank.bootstrap import realign
+
+        try:
+            ar = self.client[self.engines()].apply_async(realign)
+            if not ar.wait(timeout) or not ar.successful():
+                return False, None
+            return True, ar.get()[0]
+        except Exception:  # noqa: BLE001 - one that cannot answer means restart
+            return False, None
+
     @property
     def receiver_address(self) -> str | None:
         return self._receiver.address if self._receiver else None

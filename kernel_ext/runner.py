@@ -139,7 +139,33 @@ class CellRunner:
         self.recent_runs.append(RecentRun(shown_label(label), cell.window))
         cell.watch(interrupted)
         with interrupts_held():  # the cell has ended: its last output and drawing, whole
-            return cell.finish()
+            outcome = cell.finish()
+            if options.block and not ahead and ranks == list(range(self.cluster.world_size)):
+                self._realign(outcome)
+            return outcome
+
+    def _realign(self, outcome: CellOutcome) -> None:
+        """A cell that some ranks ended with an error, none of them stopped or released:
+        the ranks may have ended it at different collectives (one finished a broadcast
+        another never began), and are brought back in step (`RankCluster.realign`). Where
+        that fails, a restart."""
+        if not failed_ranks(outcome) or outcome.interrupted or outcome.timed_out or \
+                outcome.released or outcome.dead or outcome.restarted or outcome.unfinished:
+            return
+        answered, numbers = self.cluster.realign()
+        if answered and numbers is None:
+            return
+        if answered:
+            at = ", ".join(f"#{number} on {rank_label(ranks)}"
+                           for number, ranks in _by_number(numbers))
+            outcome.notes.append(f"the ranks ended the cell at different collectives ({at}): "
+                                 "the communicators were made again, so that the next "
+                                 "ones pair up")
+            return
+        self.cluster.restart()
+        outcome.restarted = True
+        outcome.notes.append("the ranks did not come back in step after the error and were "
+                             "restarted: their state was lost")
 
     def _report(self, outcome: CellOutcome, options: RunOptions) -> None:
         for ranks in _group(outcome.results):
@@ -191,6 +217,14 @@ def _raised(outcome: CellOutcome) -> dict[int, str]:
 def _stopped(traceback: str) -> bool:
     """A rank's error that says it was stopped: interrupted, or its collective aborted."""
     return is_interrupt(traceback) or "CollectiveAborted" in traceback.splitlines()[-1]
+
+
+def _by_number(numbers: list[int]) -> list[tuple[int, list[int]]]:
+    """(collective number, the ranks at it), highest first."""
+    ranks: dict[int, list[int]] = {}
+    for rank, number in enumerate(numbers):
+        ranks.setdefault(number, []).append(rank)
+    return sorted(ranks.items(), reverse=True)
 
 
 def failed_ranks(outcome: CellOutcome) -> list[int]:

@@ -296,6 +296,26 @@ def test_ssh_broadcast_and_allgather_between_hosts_are_right_and_not_slow(ssh_ra
     assert all(line.split()[2:4] == ["True", "True"] for line in rank_lines(run)), run.text
 
 
+def test_ssh_a_broadcast_that_a_failed_rank_never_began_is_not_taken_by_its_next_one(
+        ssh_ranks):
+    """Rank 3, on node2, raises before a small broadcast that the others finish without
+    it (a leaf of the broadcast's tree: no rank waits for it). The cell names the error
+    and says the ranks ended at different collectives; the next broadcasts deliver their
+    own data on every rank (left out of step, rank 3 took the missed one's, and each
+    later one a call late)."""
+    run = ssh_ranks.run("%%ranks\nimport torch\nif rank == 3:\n"
+                        "    raise ValueError('not this time')\n"
+                        "mpilab.broadcast(torch.full((4,), 10.0), root=0)")
+    assert not run.ok and "ValueError: not this time" in run.text, run.text
+    assert re.search(r"the ranks ended the cell at different collectives \(#\d+ on "
+                     r"ranks 0-2, #\d+ on rank 3\): the communicators were made again",
+                     run.text), run.text
+    for value in (100.0, 101.0):
+        after = ssh_ranks.run(f"%%ranks\nx = torch.full((4,), {value} if rank == 0 else 0.)\n"
+                              "mpilab.broadcast(x, root=0)\nprint(x.tolist())")
+        assert after.ok and f"[ranks 0-3] {[value] * 4}" in after.stdout, after.text
+
+
 def test_ssh_a_rank_on_node2_asks_the_notebook_for_input(ssh_ranks):
     # its question crosses to the notebook as its records do: rank 2's socket connects to it
     run = ssh_ranks.run("%%ranks\nimport socket\nif rank == 2:\n"

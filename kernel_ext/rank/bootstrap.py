@@ -168,6 +168,25 @@ def default_start_hooks() -> list[StartHook]:
     return [prepare_communicators, install]
 
 
+def realign() -> list[int] | None:
+    """After a cell that ended with an error on some ranks, none left waiting (the
+    watchdog releases those): every rank's collective number where they differ, after a
+    recovery as after a stop; else None. All ranks call it together.
+
+    Ranks at different numbers mean one finished a collective another never began: a
+    broadcast's root does, without its leaves. Left so, the next collectives would pair
+    with the wrong calls: a leaf's next broadcast would take the one it missed, and each
+    after it one call late, without an error."""
+    from .waiting import abort, recover
+
+    numbers = context().comm.allgather(agent_mod.current().state.seq)
+    if len(set(numbers)) == 1:
+        return None
+    abort("the ranks ended the cell at different collectives")
+    recover()
+    return numbers
+
+
 def _align_collective_numbers() -> None:
     """After an abort ranks may have started different numbers of collectives; agree on
     the highest so the numbers compare again (all ranks run this in `recover()`)."""
