@@ -667,7 +667,8 @@ class RankCluster:
             return False
 
     def realign(self, timeout: float = 15.0) -> tuple[bool, list[int] | None]:
-        """After a cell that failed on some ranks: whether every rank answered, and their
+        """After a cell that failed on some ranks, or ran on some only: whether every rank
+        answered, and their
         collective numbers where they differed (mpilab's communicators then made again
         on every rank: `mpilab.rank.bootstrap.realign`)."""
         from .rank.bootstrap import realign

@@ -140,17 +140,18 @@ class CellRunner:
         cell.watch(interrupted)
         with interrupts_held():  # the cell has ended: its last output and drawing, whole
             outcome = cell.finish()
-            if options.block and not ahead and ranks == list(range(self.cluster.world_size)):
-                self._realign(outcome)
+            if options.block and not ahead:
+                self._realign(outcome, ranks != list(range(self.cluster.world_size)))
             return outcome
 
-    def _realign(self, outcome: CellOutcome) -> None:
-        """A cell that some ranks ended with an error, none of them stopped or released:
-        the ranks may have ended it at different collectives (one finished a broadcast
-        another never began), and are brought back in step (`RankCluster.realign`). Where
-        that fails, a restart."""
-        if not failed_ranks(outcome) or outcome.interrupted or outcome.timed_out or \
-                outcome.released or outcome.dead or outcome.restarted or outcome.unfinished:
+    def _realign(self, outcome: CellOutcome, some_ranks: bool) -> None:
+        """A cell that some ranks ended with an error, or that ran on some ranks only, none
+        of them stopped or released: the ranks may have ended it at different collectives
+        (one finished a broadcast another never began), and are brought back in step
+        (`RankCluster.realign`). Where that fails, a restart."""
+        if not (some_ranks or failed_ranks(outcome)) or outcome.interrupted or \
+                outcome.timed_out or outcome.released or outcome.dead or outcome.restarted \
+                or outcome.unfinished:
             return
         answered, numbers = self.cluster.realign()
         if answered and numbers is None:

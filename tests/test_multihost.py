@@ -302,7 +302,7 @@ def test_ssh_a_broadcast_that_a_failed_rank_never_began_is_not_taken_by_its_next
     it (a leaf of the broadcast's tree: no rank waits for it). The cell names the error
     and says the ranks ended at different collectives; the next broadcasts deliver their
     own data on every rank (left out of step, rank 3 took the missed one's, and each
-    later one a call late)."""
+    later one a call late). The same for a cell run on the root alone."""
     run = ssh_ranks.run("%%ranks\nimport torch\nif rank == 3:\n"
                         "    raise ValueError('not this time')\n"
                         "mpilab.broadcast(torch.full((4,), 10.0), root=0)")
@@ -314,6 +314,13 @@ def test_ssh_a_broadcast_that_a_failed_rank_never_began_is_not_taken_by_its_next
         after = ssh_ranks.run(f"%%ranks\nx = torch.full((4,), {value} if rank == 0 else 0.)\n"
                               "mpilab.broadcast(x, root=0)\nprint(x.tolist())")
         assert after.ok and f"[ranks 0-3] {[value] * 4}" in after.stdout, after.text
+    # the same from a cell run on rank 0 alone: the root finishes, no one else began
+    alone = ssh_ranks.run("%%ranks 0\nmpilab.broadcast(torch.full((4,), 10.0), root=0)")
+    assert re.search(r"the ranks ended the cell at different collectives \(#\d+ on "
+                     r"rank 0, #\d+ on ranks 1-3\)", alone.text), alone.text
+    after = ssh_ranks.run("%%ranks\nx = torch.full((4,), 7.0 if rank == 0 else 0.)\n"
+                          "mpilab.broadcast(x, root=0)\nprint(x.tolist())")
+    assert after.ok and f"[ranks 0-3] {[7.0] * 4}" in after.stdout, after.text
 
 
 def test_ssh_a_rank_on_node2_asks_the_notebook_for_input(ssh_ranks):

@@ -169,9 +169,10 @@ def default_start_hooks() -> list[StartHook]:
 
 
 def realign() -> list[int] | None:
-    """After a cell that ended with an error on some ranks, none left waiting (the
-    watchdog releases those): every rank's collective number where they differ, after a
-    recovery as after a stop; else None. All ranks call it together.
+    """After a cell that ended with an error on some ranks, or ran on some ranks only,
+    none left waiting (the watchdog releases those): every rank's collective number
+    where they differ, after a recovery as after a stop; else None. All ranks call it
+    together.
 
     Ranks at different numbers mean one finished a collective another never began: a
     broadcast's root does, without its leaves. Left so, the next collectives would pair
