@@ -668,9 +668,8 @@ class RankCluster:
 
     def realign(self, timeout: float = 15.0) -> tuple[bool, list[int] | None]:
         """After a cell that failed on some ranks, or ran on some only: whether every rank
-        answered, and their
-        collective numbers where they differed (mpilab's communicators then made again
-        on every rank: `mpilab.rank.bootstrap.realign`)."""
+        answered, and their collective numbers where they differed (mpilab's
+        communicators then made again on every rank: `mpilab.rank.bootstrap.realign`)."""
         from .rank.bootstrap import realign
 
         try:
