@@ -161,7 +161,9 @@ class CellRunner:
                            for number, ranks in _by_number(numbers))
             outcome.notes.append(f"the ranks ended the cell at different collectives ({at}): "
                                  "the communicators were made again, so that the next "
-                                 "ones pair up")
+                                 "ones pair up" + ("; a collective takes every rank: run "
+                                                   "it on all of them (`%%ranks`)"
+                                                   if some_ranks else ""))
             return
         self.cluster.restart()
         outcome.restarted = True

@@ -317,7 +317,8 @@ def test_ssh_a_broadcast_that_a_failed_rank_never_began_is_not_taken_by_its_next
     # the same from a cell run on rank 0 alone: the root finishes, no one else began
     alone = ssh_ranks.run("%%ranks 0\nmpilab.broadcast(torch.full((4,), 10.0), root=0)")
     assert re.search(r"the ranks ended the cell at different collectives \(#\d+ on "
-                     r"rank 0, #\d+ on ranks 1-3\)", alone.text), alone.text
+                     r"rank 0, #\d+ on ranks 1-3\): .*; a collective takes every rank: "
+                     r"run it on all of them \(`%%ranks`\)", alone.text), alone.text
     after = ssh_ranks.run("%%ranks\nx = torch.full((4,), 7.0 if rank == 0 else 0.)\n"
                           "mpilab.broadcast(x, root=0)\nprint(x.tolist())")
     assert after.ok and f"[ranks 0-3] {[7.0] * 4}" in after.stdout, after.text
