@@ -660,11 +660,7 @@ class RankCluster:
         """After released ranks: every rank rebuilds mpilab's communicators together."""
         from .rank.waiting import recover
 
-        try:
-            ar = self.client[self.engines()].apply_async(recover)
-            return bool(ar.wait(timeout)) and ar.successful()
-        except Exception:  # noqa: BLE001 - a failed recovery means restart
-            return False
+        return self._on_every_rank(recover, timeout) is not None
 
     def realign(self, timeout: float = 15.0) -> tuple[bool, list[int] | None]:
         """After a cell that failed on some ranks, or ran on some only: whether every rank
@@ -672,13 +668,18 @@ class RankCluster:
         communicators then made again on every rank: `mpilab.rank.bootstrap.realign`)."""
         from .rank.bootstrap import realign
 
+        answers = self._on_every_rank(realign, timeout)
+        return answers is not None, answers[0] if answers else None
+
+    def _on_every_rank(self, fn, timeout: float) -> list | None:
+        """`fn()` run on every rank together (a collective of theirs): the answers in rank
+        order, or None where one did not answer in `timeout` or raised (the caller then
+        restarts the ranks)."""
         try:
-            ar = self.client[self.engines()].apply_async(realign)
-            if not ar.wait(timeout) or not ar.successful():
-                return False, None
-            return True, ar.get()[0]
+            ar = self.client[self.engines()].apply_async(fn)
+            return ar.get() if ar.wait(timeout) and ar.successful() else None
         except Exception:  # noqa: BLE001 - one that cannot answer means restart
-            return False, None
+            return None
 
     @property
     def receiver_address(self) -> str | None:
