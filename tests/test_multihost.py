@@ -911,10 +911,18 @@ def test_slurm_batch_job_runs_the_ranks_and_stop_cancels_it(slurm_kernel, emulat
 def test_slurm_time_limit_reached_in_a_cell_is_named_as_such(slurm_kernel, emulated_cluster):
     """The job reaches its time limit while a cell runs: the notebook says so within
     seconds of Slurm's cancel, in one line (not four ranks that cannot be reached), and
-    nothing is left on the nodes."""
+    nothing is left on the nodes. Slurm's shortest limit is a minute; the test moves the
+    running job's end (an administrator's `scontrol update EndTime`) a few seconds ahead,
+    so that the limit is reached without waiting the rest of the minute: slurmctld ends
+    it as at any limit, at its next check of the limits (every 30 s)."""
     run = slurm_kernel.run("%mpilab start -n 4 --launcher slurm --partition debug --time 1 "
                            "--nodes 2 --tasks-per-node 2", timeout=240)
     assert run.ok, run.text
+    job = emulated_cluster.squeue()[0]["id"]
+    shown = emulated_cluster.slurm_cmd("scontrol", "show", "job", job).stdout
+    assert "TimeLimit=00:01:00" in shown, shown
+    soon = (datetime.datetime.now() + datetime.timedelta(seconds=3)).isoformat("T", "seconds")
+    emulated_cluster.slurm_cmd("scontrol", "update", f"JobId={job}", f"EndTime={soon}")
     run = slurm_kernel.run("%%ranks\nimport time\nfor _ in range(300):\n    time.sleep(1)",
                            timeout=400)
     assert not run.ok
