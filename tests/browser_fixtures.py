@@ -1,5 +1,6 @@
-"""The browser tests' fixtures (conftest.py brings them in): each test module gets its
-own JupyterLab and chromium, each test a fresh page (jupyter_lab.py)."""
+"""The browser tests' fixtures (conftest.py brings them in): one JupyterLab and one
+chromium for the session's browser tests (each notebook has a name of its own), each test
+a fresh page (jupyter_lab.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,13 @@ import pytest
 from jupyter_lab import Lab, chromium, fresh_page, running_lab
 
 
-@pytest.fixture(scope="module")
-def lab(tmp_path_factory, request) -> Iterator[Lab]:
-    with running_lab(tmp_path_factory.mktemp(request.module.__name__)) as running:
+@pytest.fixture(scope="session")
+def lab(tmp_path_factory) -> Iterator[Lab]:
+    with running_lab(tmp_path_factory.mktemp("lab")) as running:
         yield running
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def browser():
     with chromium() as running:
         yield running
