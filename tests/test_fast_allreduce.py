@@ -477,6 +477,58 @@ def test_a_collective_stopped_again_and_again_leaves_nothing_for_the_next_ones()
     assert results == [{"failures": [], "abandoned": 0}] * 2, results
 
 
+LEFT_STARTED = """
+import threading, time
+import torch
+from mpi4py import MPI
+from mpilab.rank import waiting
+
+mpilab.allgather(torch.ones(4))  # the communicators, their plans and requests exist
+handed = []  # (request, holder) that the persistent collectives gave up on
+give_up = waiting.abandon
+def recording(requests, receives=(), holder=None):
+    handed.extend((r, holder) for r in requests if holder is not None)
+    give_up(requests, receives, holder)
+waiting.abandon = recording
+failures = []
+if ctx.rank == 0:
+    # rank 0 starts its persistent allgather and stops waiting; rank 1 begins its half
+    # only then, and completes it
+    threading.Timer(0.3, waiting.abort, ("stopped",)).start()
+    try:
+        mpilab.allgather(torch.ones(4))
+        failures.append("not stopped")
+    except waiting.CollectiveAborted:
+        pass
+else:
+    time.sleep(0.6)
+    if mpilab.allgather(torch.ones(4)).flatten().tolist() != [1.0] * 8:
+        failures.append("rank 1's half")
+for _ in range(2):  # the second frees the communicators the first replaced
+    time.sleep(0.3)
+    waiting.abort("stopped")
+    waiting.recover()
+kinds = sorted(type(r).__name__ for r, _ in handed)
+freed = all(r == MPI.REQUEST_NULL and not kept.alive for r, kept in handed)
+got = mpilab.allgather(torch.full((4,), float(ctx.rank))).flatten().tolist()
+if got != [0.0] * 4 + [1.0] * 4:
+    failures.append(f"after: {got}")
+report_in_turn({"failures": failures, "handed": kinds, "freed": freed,
+                "abandoned": len(waiting._abandoned)})
+"""
+
+
+def test_a_persistent_collective_left_started_is_kept_till_it_completes_then_freed():
+    # A persistent request that an abort left started may not be freed (MPI), and MPI
+    # may still write into its buffers: its owner hands it over with them when it closes,
+    # and it is freed once it has completed (rank 1 ran its half), not kept for good. Two
+    # emulated nodes of one rank: a small allgather goes by MPI's persistent one
+    results = run_ranks(IN_TURN + LEFT_STARTED, n=2, env={"MPILAB_EMULATE_NODE_SIZE": "1"})
+    assert results[0] == {"failures": [], "handed": ["Prequest"], "freed": True,
+                          "abandoned": 0}, results
+    assert results[1] == {"failures": [], "handed": [], "freed": True, "abandoned": 0}, results
+
+
 def test_parse_sizes():
     from mpilab.wire import parse_sizes
 

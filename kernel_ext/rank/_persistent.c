@@ -207,7 +207,7 @@ static PyObject *kept_run_method(Kept *self, PyObject *const *args, Py_ssize_t n
 PyDoc_STRVAR(kept_close_doc,
 "close(): this request is no longer run; freed unless an abort left it started (freeing\n"
 "an active persistent request is erroneous in MPI). True where it was left started: the\n"
-"caller then keeps it, with its buffers, for good.");
+"caller then keeps it, with its buffers, until MPI completes it (waiting.abandon).");
 
 static PyObject *kept_close(Kept *self, PyObject *unused)
 {

@@ -48,10 +48,6 @@ ALLGATHER_MAX_BYTES = 1 << 20  # of the gathered result
 # same sizes) and are made again as they are met
 _MAX_KEPT = 32
 _MAX_KEPT_BYTES = 16 << 20
-# requests an abort left started, with their buffers (`_persistent.Kept`): never freed
-# (freeing an active persistent collective is erroneous in MPI; MPI may still write into
-# the buffers)
-_left_started: list = []
 _bound: bool | None = None  # whether _persistent has MPI's functions (asked once)
 
 
@@ -161,10 +157,11 @@ class Persistent:
         return _persistent.Kept(request, MPI._addressof(request), sending, receiving)
 
     def close(self) -> None:
-        """Free the requests, but one an abort left started (`_left_started`). Every
-        rank closes at the same call, so all make the next ones in the same order."""
+        """Free the requests, but one an abort left started: that one goes to
+        `waiting.abandon`, with its buffers, till it completes. Every rank closes at the
+        same call, so all make the next ones in the same order."""
         for kept in self._kept.values():
             if kept.close():
-                _left_started.append(kept)
+                waiting.abandon((kept.request,), holder=kept)
         self._kept.clear()
         self._kept_bytes = 0

@@ -38,7 +38,9 @@ has not completed, with the buffer it holds, until it is seen complete (`_abando
 Otherwise the buffer could be freed under MPI: a collective's output, for one, goes as
 the exception leaves the call, and a late write would land in freed memory. Sends are
 not cancelled (MPICH cannot cancel one it has begun) nor are collectives (MPI forbids
-it); a persistent request stays with its owner (`persistent`).
+it). A persistent collective an abort left started (run in C by `persistent`) is handed
+over the same way when its owner lets it go (`abandon`), with the object that holds its
+buffers, and freed once it completes (freeing an active one is erroneous in MPI).
 
 The messages such a wait's peers sent may also reach this rank after it stopped
 waiting, or before it began: MPI keeps them, unreceived, and once their communicator is
@@ -78,8 +80,9 @@ _abort_reason = ["aborted"]
 # each gives its hook, or None once the object of a bound-method hook is gone
 _recover_hooks: list[Callable[[], Callable[[], None] | None]] = []
 
-# requests a wait gave up on before they completed (see the module's docstring)
-_abandoned: list = []
+# (request, what holds its buffers) for each request given up on before it completed
+# (see the module's docstring)
+_abandoned: list[tuple[Any, Any]] = []
 _abandoned_lock = threading.Lock()
 
 INTERRUPTED = "the cell was interrupted"  # the reason the engine's SIGINT handler gives
@@ -126,24 +129,36 @@ def recover() -> None:
     _abort.clear()
 
 
-def _abandon(requests: Sequence, receives: Sequence = ()) -> None:
-    """A wait gave up on `requests`: cancel `receives` (point-to-point receives among
-    them) and keep those not complete, with their buffers, until they are."""
+def abandon(requests: Sequence, receives: Sequence = (), holder: Any = None) -> None:
+    """Give up on `requests`: cancel `receives` (point-to-point receives among them) and
+    keep those not complete, with `holder` (what holds their buffers, where the request
+    does not), until they are. A persistent request stays its owner's, who may start it
+    again, until the owner hands it over with its holder; it is freed once complete."""
     from mpi4py import MPI
 
     for request in receives:
         with suppress(MPI.Exception):
             request.Cancel()
     with _abandoned_lock:
-        _abandoned.extend(r for r in requests if not isinstance(r, MPI.Prequest))
+        _abandoned.extend((request, holder) for request in requests
+                          if holder is not None or not isinstance(request, MPI.Prequest))
     _settle_abandoned()
 
 
 def _settle_abandoned() -> None:
     """Let go of the abandoned requests that have completed (cancelled, done, or failed:
     MPI no longer touches their buffers)."""
+    from mpi4py import MPI
+
     with _abandoned_lock:
-        _abandoned[:] = [r for r in _abandoned if not _completes(r)]
+        left = []
+        for request, holder in _abandoned:
+            if not _completes(request):
+                left.append((request, holder))
+            elif isinstance(request, MPI.Prequest):
+                with suppress(MPI.Exception):
+                    request.Free()
+        _abandoned[:] = left
 
 
 def drain(comm) -> None:
@@ -160,7 +175,7 @@ def drain(comm) -> None:
         deadline = time.monotonic() + DRAIN_S
         while not request.Test():
             if time.monotonic() > deadline:
-                _abandon((request,))
+                abandon((request,))
                 break
             os.sched_yield()
 
@@ -194,7 +209,7 @@ def wait_interruptibly(request) -> None:
     try:
         poll(request.Test)
     except BaseException:
-        _abandon((request,))
+        abandon((request,))
         raise
 
 
@@ -210,7 +225,7 @@ def drive(request, receive: bool = False) -> None:
             check_abort()
             os.sched_yield()
     except BaseException:
-        _abandon((request,), (request,) if receive else ())
+        abandon((request,), (request,) if receive else ())
         raise
 
 
@@ -228,7 +243,7 @@ def drive_all(requests: list, receives: Sequence = (),
             check_abort()
             os.sched_yield()
     except BaseException:
-        _abandon(requests, receives)
+        abandon(requests, receives)
         raise
 
 
