@@ -14,7 +14,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from jupyter_lab import chromium, require_chromium
+from jupyter_lab import require_chromium
 from mpilab.widgets.plotting import _PLOTLYJS_TAG
 
 MPILAB = str(Path(sys.executable).parent / "mpilab")
@@ -83,19 +83,18 @@ def _open_offline(browser, page_file: Path) -> tuple[dict, list[str]]:
     return drawn, asked
 
 
-def test_html_export_shows_the_dashboard_without_a_network(export, tmp_path):
+def test_html_export_shows_the_dashboard_without_a_network(export, browser, tmp_path):
     text = export.read_text()
     assert _PLOTLYJS_TAG not in text and "plotly.js v" in text  # plotly.js inside, once
     assert text.count("plotly.js v") == 1
-    with chromium() as browser:
-        drawn, asked = _open_offline(browser, export)
-        # the same page as it was before plotly.js went inside it (the figure's own CDN
-        # tag): offline it draws nothing; the test can tell a blank gap from a plot
-        cdn = tmp_path / "cdn.html"
-        start = text.index('<script charset="utf-8">/**\n* plotly.js v')
-        end = text.index("</script>", start) + len("</script>")
-        cdn.write_text(text[:start] + _PLOTLYJS_TAG + text[end:])
-        blank, _ = _open_offline(browser, cdn)
+    drawn, asked = _open_offline(browser, export)
+    # the same page as it was before plotly.js went inside it (the figure's own CDN tag):
+    # offline it draws nothing; the test can tell a blank gap from a plot
+    cdn = tmp_path / "cdn.html"
+    start = text.index('<script charset="utf-8">/**\n* plotly.js v')
+    end = text.index("</script>", start) + len("</script>")
+    cdn.write_text(text[:start] + _PLOTLYJS_TAG + text[end:])
+    blank, _ = _open_offline(browser, cdn)
     assert drawn["plotly"] == "object", drawn
     assert len(drawn["plots"]) == 1 and "loss" in drawn["plots"][0], drawn
     assert drawn["svgs"] > 0

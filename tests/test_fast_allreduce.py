@@ -425,22 +425,29 @@ def test_interrupt_lands_and_later_calls_say_why():
     assert results[1] == []
 
 
-STOPPED_TWICE = """
+STOPPED_ON_RANK_0 = """
 import threading, time
 import torch
 from mpilab.rank import waiting
 
-mpilab.allreduce(torch.ones(4))  # the communicators and their plans exist on both ranks
 failures = []
-for stop in range(2):
+
+def stopped_on_rank_0(collective):
+    # rank 0 begins `collective` and is stopped 0.3 s into it; rank 1 has not begun it
     if ctx.rank == 0:
-        # rank 1 never joins: rank 0's half of the exchange reaches it, unreceived
         threading.Timer(0.3, waiting.abort, ("stopped",)).start()
         try:
-            mpilab.allreduce(torch.ones(4))
+            collective()
             failures.append("not stopped")
         except waiting.CollectiveAborted:
             pass
+"""
+
+STOPPED_TWICE = STOPPED_ON_RANK_0 + """
+mpilab.allreduce(torch.ones(4))  # the communicators and their plans exist on both ranks
+for stop in range(2):
+    # rank 1 never joins: rank 0's half of the exchange reaches it, unreceived
+    stopped_on_rank_0(lambda: mpilab.allreduce(torch.ones(4)))
     time.sleep(0.6)
     waiting.abort("stopped")
     waiting.recover()  # the second frees the communicators the first replaced
@@ -477,11 +484,8 @@ def test_a_collective_stopped_again_and_again_leaves_nothing_for_the_next_ones()
     assert results == [{"failures": [], "abandoned": 0}] * 2, results
 
 
-LEFT_STARTED = """
-import threading, time
-import torch
+LEFT_STARTED = STOPPED_ON_RANK_0 + """
 from mpi4py import MPI
-from mpilab.rank import waiting
 
 mpilab.allgather(torch.ones(4))  # the communicators, their plans and requests exist
 handed = []  # (request, holder) that the persistent collectives gave up on
@@ -490,17 +494,10 @@ def recording(requests, receives=(), holder=None):
     handed.extend((r, holder) for r in requests if holder is not None)
     give_up(requests, receives, holder)
 waiting.abandon = recording
-failures = []
-if ctx.rank == 0:
-    # rank 0 starts its persistent allgather and stops waiting; rank 1 begins its half
-    # only then, and completes it
-    threading.Timer(0.3, waiting.abort, ("stopped",)).start()
-    try:
-        mpilab.allgather(torch.ones(4))
-        failures.append("not stopped")
-    except waiting.CollectiveAborted:
-        pass
-else:
+# rank 0 starts its persistent allgather and stops waiting; rank 1 begins its half only
+# then, and completes it
+stopped_on_rank_0(lambda: mpilab.allgather(torch.ones(4)))
+if ctx.rank == 1:
     time.sleep(0.6)
     if mpilab.allgather(torch.ones(4)).flatten().tolist() != [1.0] * 8:
         failures.append("rank 1's half")
