@@ -28,8 +28,8 @@ binds its ranks to this machine's cores 0 and 1, so a rank of node1 shares a cor
 its peer of node2; unbound, the kernel moves 4 busy-polling ranks over 2 cores as it
 pleases and the small-message figures of every backend swing by ±30% between runs.
 
-Brings the emulated cluster up and down itself (root, Linux namespaces), or uses the one
-`python -m tests.cluster up` left running.
+Brings the emulated cluster up and down itself (root, Linux namespaces), each node on
+every core of this machine (the tests' cluster gives each node a core of its own).
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def main() -> int:
         return 0
     from cluster import EmulatedCluster
 
-    cluster = EmulatedCluster(("node1", "node2"))
+    cluster = EmulatedCluster(("node1", "node2"), every_core=True)
     cluster.up()
     try:
         bandwidth(cluster, args.repeats, args.bind_to, ",".join(ops))

@@ -4,11 +4,12 @@ Each node is a network namespace (`mpilab-nodeK`, a veth pair to the bridge `mpi
 on the notebook's side) holding one long-lived init process in its own UTS namespace (its
 hostname), PID namespace (its pids mean nothing elsewhere, as on real hosts) and mount
 namespace (its own /run, and /etc/hosts and /etc/resolv.conf from /etc/netns/NETNS/, which
-`ip netns exec` binds). Everything else, the run directory included, is the one shared file
-system, as a cluster's shared home is. The init runs a real sshd (key login only, per-run
-keys) and a real slurmd; the head side runs munged and slurmctld, the latter in a UTS
-namespace of its own named `head` in this machine's network namespace, listening on the
-bridge address only.
+`ip netns exec` binds), and runs on its share of this machine's cores (its CPU affinity;
+one core each for 2 nodes on 2 cores). Everything else, the run directory included, is the
+one shared file system, as a cluster's shared home is. The init runs a real sshd (key
+login only, per-run keys) and a real slurmd; the head side runs munged and slurmctld, the
+latter in a UTS namespace of its own named `head` in this machine's network namespace,
+listening on the bridge address only.
 
 Names: the nodes resolve each other, `head`, and this machine's own hostname (to the bridge
 address, as a real compute node resolves its login node). This machine's /etc/hosts is not
@@ -280,7 +281,7 @@ class EmulatedCluster:
 
     def __init__(self, nodes: Sequence[str] = ("node1", "node2"), *, slurm: bool = True,
                  ssh: bool = True, cpus_per_node: int | None = None,
-                 lock_timeout: float = 900.0, instance: str = ""):
+                 lock_timeout: float = 900.0, instance: str = "", every_core: bool = False):
         self.layout = lay = Layout(instance)
         for name in nodes:
             if not (name.startswith("node") and name[4:].isdigit() and 0 < int(name[4:]) < 100):
@@ -290,9 +291,13 @@ class EmulatedCluster:
                  link=lay.prefix + n) for n in nodes]
         self.slurm = slurm
         self.ssh = ssh
-        # Slurm's CPUs per node: what slurmd finds (this machine's cores) unless told;
-        # more is allowed (SlurmdParameters=config_overrides) for tests that oversubscribe.
+        # Slurm's CPUs per node: this machine's cores unless told, though a node runs on
+        # its share of them (`_cores_of`); Slurm takes the configured count
+        # (SlurmdParameters=config_overrides), so tests can place 2 ranks on each node.
         self.cpus_per_node = cpus_per_node or os.cpu_count() or 1
+        # True: every node runs on every core of this machine, as benchmarks/
+        # bench_multinode.py's figures were measured (its ranks bound to cores 0 and 1)
+        self.every_core = every_core
         self.lock_timeout = lock_timeout
         self.head_address = f"{lay.subnet}.1"
         self.head_interface = lay.bridge
@@ -816,6 +821,9 @@ JobCompType=jobcomp/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 SchedulerType=sched/builtin
+# a batch job is scheduled as it is submitted, not up to 3 s later (Slurm's default
+# batch_sched_delay, which spares a busy controller the work of scheduling each job)
+SchedulerParameters=batch_sched_delay=0
 MpiDefault=none
 SwitchType=switch/none
 # the nodes report this machine's cores; the configured CPUs count
@@ -863,6 +871,21 @@ UnkillableStepTimeout=10
         self._state.head["slurmctld"] = Proc.of(proc.pid)
         self._state.save()
 
+    def _cores_of(self, node: Node) -> list[int]:
+        """The cores of this machine that `node` runs on: an even share of them, each
+        node's its own where there are enough (2 cores, 2 nodes: one each), as each host of
+        a cluster has cores of its own. Where the nodes all ran on every core, 2 ranks on
+        each of 2 nodes would each see 2 cores for 2 ranks and start as if they had them
+        (a warm-up each, torch imported by each), while 4 ranks shared 2 cores."""
+        cores = sorted(os.sched_getaffinity(0))
+        if self.every_core:
+            return cores
+        index = self.nodes.index(node)
+        share = max(1, len(cores) // len(self.nodes))
+        if share * len(self.nodes) > len(cores):  # more nodes than cores: one each, in turn
+            return [cores[index % len(cores)]]
+        return cores[index * share:(index + 1) * share]
+
     def _start_nodes(self, nodes: Sequence[Node]) -> None:
         for n in nodes:
             nd = self.run_dir / "nodes" / n.name
@@ -875,7 +898,8 @@ UnkillableStepTimeout=10
                 daemons.append(["slurmd", ["slurmd", "-D", "-N", n.name,
                                            "-f", str(self.slurm_conf)]])
             spec = {"hostname": n.name, "daemons": daemons, "log_dir": str(self.log_dir),
-                    "ready": str(nd / "ready.json"), "env": {"SLURM_CONF": str(self.slurm_conf)}}
+                    "ready": str(nd / "ready.json"), "env": {"SLURM_CONF": str(self.slurm_conf)},
+                    "cpus": self._cores_of(n)}
             (nd / "spec.json").write_text(json.dumps(spec))
             log = open(self.log_dir / f"init-{n.name}.log", "wb")
             holder = subprocess.Popen(
@@ -1124,6 +1148,7 @@ def _node_init(spec_path: str) -> None:
     """
     spec = json.loads(Path(spec_path).read_text())
     socket.sethostname(spec["hostname"])
+    os.sched_setaffinity(0, spec["cpus"])  # the daemons, and all they start, inherit it
     subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0755,size=16m", "tmpfs", "/run"],
                    check=True)
     os.makedirs("/run/sshd", mode=0o755)

@@ -112,6 +112,28 @@ def test_each_node_has_its_own_pid_uts_and_network_namespace(emulated_cluster):
     assert any("slurmd" in cmd for cmd in procs.values()), procs
 
 
+def test_each_node_runs_on_cores_of_its_own(emulated_cluster):
+    """As hosts have: what a node runs (a login over ssh, a Slurm job) is on its share of
+    this machine's cores, and no two nodes share one while there are cores enough, so
+    two ranks on a node of one core see one core, not every core of the machine."""
+    env = head_env(emulated_cluster)
+    machine = os.sched_getaffinity(0)
+    seen = {}
+    for node in ("node1", "node2"):
+        out = subprocess.run(["ssh", node, "python3 -c 'import os; "
+                              "print(*sorted(os.sched_getaffinity(0)))'"],
+                             capture_output=True, text=True, timeout=30, env=env)
+        assert out.returncode == 0, out.stderr
+        seen[node] = {int(c) for c in out.stdout.split()}
+    job = emulated_cluster.slurm_cmd(
+        "srun", "-w", "node2", "-n", "1", "python3", "-c",
+        "import os; print(*sorted(os.sched_getaffinity(0)))").stdout
+    assert {int(c) for c in job.split()} == seen["node2"], job
+    assert seen["node1"] and seen["node2"] and seen["node1"] | seen["node2"] <= machine
+    if len(machine) >= 2:
+        assert not seen["node1"] & seen["node2"], seen
+
+
 def test_the_nodes_have_no_route_out_of_the_test_network(emulated_cluster):
     c = emulated_cluster
     probe = textwrap.dedent("""

@@ -1031,9 +1031,10 @@ def test_slurm_a_start_whose_job_waits_in_the_queue_says_so_while_it_waits(slurm
         with every_node_held(emulated_cluster) as job:
             threading.Timer(6.0, emulated_cluster.slurm_cmd, ("scancel", job),
                             {"check": False}).start()
-            run = slurm_kernel.run("%mpilab start -n 2 --launcher slurm --timeout 60",
+            # a rank on each node (each has one core here): no note of ranks sharing one
+            run = slurm_kernel.run("%mpilab start -n 2 --nodes 2 --launcher slurm --timeout 60",
                                    timeout=120)
-        assert run.ok and re.fullmatch(r"mpilab: 2 ranks on node\d in Slurm job \d+ · .*",
+        assert run.ok and re.fullmatch(r"mpilab: 2 ranks on node1, node2 in Slurm job \d+ · .*",
                                        run.text.strip()), run.text
     finally:
         slurm_kernel.run("%mpilab stop", timeout=120)
