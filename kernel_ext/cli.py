@@ -191,9 +191,14 @@ def cmd_run(args) -> int:
                             extra_arguments=[f"--ext={KERNEL_NAME}"] if wants_mpilab else [],
                             store_widget_state=False, on_cell_start=started, config=config,
                             resources={"metadata": {"path": str(source.parent.resolve())}})
+    # the kernel's own stderr (ipykernel's and tornado's log, among it a traceback its
+    # shutdown sometimes races into) goes to a file, not onto this command's: the cells'
+    # output comes over the kernel's channels into the notebook, C-level output included.
+    # Where the kernel died, what it wrote last is said after the line that names the cell.
+    kernel_log = open(Path(sockets) / "kernel.log", "w+b")
     status = 0
     try:
-        client.execute()
+        client.execute(stderr=kernel_log)
     except CellExecutionError as e:
         status = 1
         error = _error_line(e.ename, e.evalue)
@@ -209,7 +214,11 @@ def cmd_run(args) -> int:
                 if isinstance(e, CellTimeoutError) else "ended with its kernel's death")
         print(f"mpilab: {source.name}: a cell {what}{_cell_named(nb, running)}; the cells "
               "before it ran", file=sys.stderr)
+        if isinstance(e, DeadKernelError):
+            kernel_log.seek(0)
+            sys.stderr.write(kernel_log.read().decode(errors="replace"))
     finally:
+        kernel_log.close()
         shutil.rmtree(sockets, ignore_errors=True)
     out = Path(args.output) if args.output else None
     if out:
@@ -435,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Runs every cell as JupyterLab would (a notebook for the \"Python "
         "(mpilab)\" kernel gets the extension loaded; others load it themselves), in the "
         "notebook's folder, and saves the executed notebook and an HTML page that shows its "
-        "plots without a network (plotly.js inside).")
+        "plots without a network (plotly.js inside). Its output is one line: what ran, or "
+        "which cell failed and why (after a kernel's death, what the kernel wrote last).")
     run.add_argument("notebook")
     run.add_argument("-o", "--output", help="write the executed notebook here")
     run.add_argument("--html", help="also write it as a self-contained HTML page here")

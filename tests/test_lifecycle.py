@@ -217,6 +217,35 @@ def test_run_names_the_failed_cell_and_its_error_in_one_line(tmp_path):
                     "column')): KeyError: 'no such column'"], proc.stderr
 
 
+# what the kernel writes on its own stderr (its log; here as it exits, where ipykernel's
+# shutdown at times races into a traceback of its own), not into a cell's output: fd 2,
+# or where ipykernel takes fd 2 for the cells' output (not under pytest), its copy of it
+KERNEL_OWN_LINE = ("import atexit, os, sys\n"
+                   "_log = getattr(sys.stderr, '_original_stdstream_copy', 2)\n"
+                   "atexit.register(os.write, _log, b'the kernel log line\\n')\nprint('ran')")
+
+
+def test_run_says_the_kernels_own_log_only_where_the_kernel_died(tmp_path):
+    """`mpilab run`'s output is its own lines: the kernel's log goes to a file; a kernel
+    that died has what it wrote last said after the line that names the cell."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(KERNEL_OWN_LINE)])
+    nbformat.write(nb, tmp_path / "quiet.ipynb")
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "quiet.ipynb")], capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    nb.cells.append(nbformat.v4.new_code_cell(
+        "os.write(_log, b'its last words\\n')\nos._exit(3)"))
+    nbformat.write(nb, tmp_path / "dies.ipynb")
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "dies.ipynb")], capture_output=True,
+                          text=True, timeout=90)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "mpilab: dies.ipynb: a cell ended with its kernel's death (cell 2: os.write(_log, "
+        "b'its last words\\n')); the cells before it ran", "its last words"], proc.stderr
+
+
 def test_mpilab_lab_serves_the_examples(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
