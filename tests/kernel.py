@@ -11,6 +11,7 @@ import queue
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,18 +150,20 @@ class Kernel:
         run.finished = time.time()
         return run
 
-    def collect_iopub(self, seconds: float) -> list[dict]:
+    def collect_iopub(self, seconds: float,
+                      until: Callable[[list[dict]], bool] | None = None) -> list[dict]:
         """Messages for any cell that `run` passed over, then those arriving during the
-        next `seconds`."""
-        messages, self._backlog = self._backlog, []
+        next `seconds`, or until those so far satisfy `until` (what a test waits for has
+        come; a test that asserts something never comes waits all of `seconds`)."""
+        raw, self._backlog = self._backlog, []
+        messages = [_brief(msg) for msg in raw]
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (until and until(messages)):
             try:
-                messages.append(self.kc.get_iopub_msg(timeout=0.1))
+                messages.append(_brief(self.kc.get_iopub_msg(timeout=0.1)))
             except queue.Empty:
                 continue
-        return [{"type": msg["msg_type"], "content": msg["content"],
-                 "parent": msg["parent_header"].get("msg_id")} for msg in messages]
+        return messages
 
     @property
     def pid(self) -> int:
@@ -176,6 +179,12 @@ class Kernel:
         files (a shutdown would wait for a kernel that cannot answer)."""
         self.kc.stop_channels()
         self.km.cleanup_resources()
+
+
+def _brief(msg: dict) -> dict:
+    """An iopub message as the tests read it: its type, content and parent cell."""
+    return {"type": msg["msg_type"], "content": msg["content"],
+            "parent": msg["parent_header"].get("msg_id")}
 
 
 def _start_wrapped(wrap: list[str], kwargs: dict, folder: Path):

@@ -424,10 +424,15 @@ def test_a_rank_at_a_prompt_is_not_a_hang_and_the_stop_button_ends_it(ranks):
 def test_a_cell_that_cannot_ask_says_so_and_its_input_ends_as_at_end_of_file(ranks):
     run = ranks.run("%%ranks --noblock\ninput('later? ')")
     assert run.ok and not run.prompts
-    messages = [m for m in ranks.collect_iopub(5.0) if m["parent"] == run.msg_id]
-    text = "".join(m["content"].get("text", "") for m in messages)
-    assert "EOFError: a --noblock cell takes no input: input() and debuggers on the ranks " \
-           "are answered in a cell that waits for them" in text, messages
+    said = ("EOFError: a --noblock cell takes no input: input() and debuggers on the ranks "
+            "are answered in a cell that waits for them")
+
+    def text_of(messages):
+        return "".join(m["content"].get("text", "") for m in messages
+                       if m["parent"] == run.msg_id)
+
+    messages = ranks.collect_iopub(5.0, until=lambda ms: said in text_of(ms))
+    assert said in text_of(messages), messages
     # ipyparallel's own %%px cannot answer: the engine's error, at once, as without mpilab
     px = ranks.run("%%px\ninput('px? ')", timeout=30)
     assert not px.ok and not px.prompts and "StdinNotImplementedError" in px.text
@@ -633,13 +638,19 @@ def test_training_cell_records_metrics_and_shows_dashboard_and_progress(ranks, t
 def test_noblock_training_keeps_its_dashboard_updating(ranks):
     cell = ranks.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1))
     assert cell.ok and cell.finished - cell.started < 1.5
-    messages = [m for m in ranks.collect_iopub(8.0) if m["parent"] == cell.msg_id]
-    shown = [m for m in messages if m["type"] == "display_data"
-             and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")]
-    final = [m for m in messages if m["type"] == "update_display_data"
-             and "step 12" in m["content"]["data"].get("text/plain", "")]
+    def seen(messages):
+        """The dashboard shown, its final view (step 12), and the cell's last line."""
+        mine = [m for m in messages if m["parent"] == cell.msg_id]
+        return ([m for m in mine if m["type"] == "display_data"
+                 and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")],
+                [m for m in mine if m["type"] == "update_display_data"
+                 and "step 12" in m["content"]["data"].get("text/plain", "")],
+                [m for m in mine if "trained" in m["content"].get("text", "")])
+
+    messages = ranks.collect_iopub(8.0, until=lambda ms: all(seen(ms)))
+    shown, final, trained = seen(messages)
     assert shown and final, [m["type"] for m in messages]
-    assert any("trained" in m["content"].get("text", "") for m in messages)
+    assert trained, messages
 
 
 def test_cell_queued_behind_noblock_shows_and_times_only_its_own_run(ranks):
@@ -715,9 +726,12 @@ def test_pull_push_behind_a_noblock_cell_say_so_and_ctrl_c_takes_them_back(ranks
     assert push.text.strip().splitlines()[-1] == \
         "UsageError: push interrupted: no rank got the values", push.text
     assert "Traceback" not in push.text and "kernel_ext" not in push.text
-    messages = [m for m in ranks.collect_iopub(3.0) if m["parent"] == first.msg_id]
-    assert any("[ranks 0-1] first done" in m["content"].get("text", "")
-               for m in messages), messages  # the --noblock cell went on, not interrupted
+    def done(messages):
+        return any("[ranks 0-1] first done" in m["content"].get("text", "")
+                   for m in messages if m["parent"] == first.msg_id)
+
+    messages = ranks.collect_iopub(3.0, until=done)
+    assert done(messages), messages  # the --noblock cell went on, not interrupted
     # taken off the queue: the ranks never got it
     pulled = ranks.run("%mpilab pull late")
     assert not pulled.ok and "'late' is not defined on ranks 0-1" in pulled.text
