@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
@@ -196,7 +197,7 @@ def cmd_run(args) -> int:
     # output comes over the kernel's channels into the notebook, C-level output included.
     # Where the kernel died, what it wrote last is said after the line that names the cell.
     kernel_log = open(Path(sockets) / "kernel.log", "w+b")
-    status = 0
+    status, died = 0, False
     try:
         client.execute(stderr=kernel_log)
     except CellExecutionError as e:
@@ -214,10 +215,18 @@ def cmd_run(args) -> int:
                 if isinstance(e, CellTimeoutError) else "ended with its kernel's death")
         print(f"mpilab: {source.name}: a cell {what}{_cell_named(nb, running)}; the cells "
               "before it ran", file=sys.stderr)
-        if isinstance(e, DeadKernelError):
+        died = isinstance(e, DeadKernelError)
+    except RuntimeError as e:  # jupyter_client's "Kernel died before replying to kernel_info"
+        if "died" not in str(e):
+            raise
+        status, died = 1, True
+        atexit.unregister(client._cleanup_kernel)  # nbclient's, for the kernel it lost
+        print(f"mpilab: {source.name}: its kernel died as it started; no cell ran",
+              file=sys.stderr)
+    finally:
+        if died:
             kernel_log.seek(0)
             sys.stderr.write(kernel_log.read().decode(errors="replace"))
-    finally:
         kernel_log.close()
         shutil.rmtree(sockets, ignore_errors=True)
     out = Path(args.output) if args.output else None

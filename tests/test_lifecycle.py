@@ -244,6 +244,21 @@ def test_run_says_the_kernels_own_log_only_where_the_kernel_died(tmp_path):
     assert proc.stderr.splitlines() == [
         "mpilab: dies.ipynb: a cell ended with its kernel's death (cell 2: os.write(_log, "
         "b'its last words\\n')); the cells before it ran", "its last words"], proc.stderr
+    # a kernel that dies as it starts (a broken environment): one line, then its own words,
+    # not nbclient's traceback
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\nif 'ipykernel_launcher' in sys.orig_argv:\n"
+        "    sys.stderr.write('the kernel cannot start here\\n')\n    sys.stderr.flush()\n"
+        "    import os\n    os._exit(3)\n")
+    path = os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])])
+    proc = subprocess.run([MPILAB, "run", str(tmp_path / "quiet.ipynb")], capture_output=True,
+                          text=True, timeout=90, env={**os.environ, "PYTHONPATH": path})
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        "mpilab: quiet.ipynb: its kernel died as it started; no cell ran",
+        "the kernel cannot start here"], proc.stderr
 
 
 def test_mpilab_lab_serves_the_examples(tmp_path):
