@@ -872,11 +872,11 @@ UnkillableStepTimeout=10
         self._state.save()
 
     def _cores_of(self, node: Node) -> list[int]:
-        """The cores of this machine that `node` runs on: an even share of them, each
-        node's its own where there are enough (2 cores, 2 nodes: one each), as each host of
-        a cluster has cores of its own. Where the nodes all ran on every core, 2 ranks on
-        each of 2 nodes would each see 2 cores for 2 ranks and start as if they had them
-        (a warm-up each, torch imported by each), while 4 ranks shared 2 cores."""
+        """The cores of this machine that `node` runs on: an even share, no core shared
+        with another node while there are enough (2 cores, 2 nodes: one each), as each
+        host of a cluster has cores of its own. Were the nodes all on every core, 2 ranks
+        on each of 2 nodes would each see 2 cores for 2 ranks and start as if they had
+        them (torch imported and a warm-up run by each), while 4 ranks shared 2 cores."""
         cores = sorted(os.sched_getaffinity(0))
         if self.every_core:
             return cores
