@@ -233,6 +233,7 @@ class State:
     made_etc_netns: bool = False     # /etc/netns did not exist before this run
     slurm: bool = True
     ssh: bool = True
+    every_core: bool = False
     ready: bool = False
 
     def save(self) -> None:
@@ -322,7 +323,7 @@ class EmulatedCluster:
             raise ClusterError(f"no test cluster is up ({layout.run_dir}): "
                                "python -m tests.cluster up")
         c = cls([n.name for n in state.nodes], slurm=state.slurm, ssh=state.ssh,
-                instance=instance)
+                every_core=state.every_core, instance=instance)
         c.nodes = state.nodes
         c._state = state
         return c
@@ -583,7 +584,8 @@ class EmulatedCluster:
             _teardown(self.layout, previous)
             self._state = State(owner=os.getpid(), owner_start=_start_time(os.getpid()),
                                 manual=False, instance=self.layout.instance,
-                                subnet=self.layout.subnet, slurm=self.slurm, ssh=self.ssh)
+                                subnet=self.layout.subnet, slurm=self.slurm, ssh=self.ssh,
+                                every_core=self.every_core)
             self._make_run_dir()
             self._state.save()
             self._network()

@@ -181,6 +181,12 @@ class Kernel:
         self.km.cleanup_resources()
 
 
+def stream_text(messages: list[dict], parent: str) -> str:
+    """What cell `parent` printed, in order, among messages `collect_iopub` returned."""
+    return "".join(m["content"].get("text", "") for m in messages
+                   if m["parent"] == parent and m["type"] == "stream")
+
+
 def _brief(msg: dict) -> dict:
     """An iopub message as the tests read it: its type, content and parent cell."""
     return {"type": msg["msg_type"], "content": msg["content"],

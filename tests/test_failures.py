@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import cluster_pids
-from kernel import Kernel
+from kernel import Kernel, stream_text
 from mpirun import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -228,8 +228,7 @@ def test_a_collective_run_on_some_ranks_only_is_diagnosed_not_left_hanging(nb):
     other = nb.run("%%ranks 1\nx = torch.ones(3)\nmpilab.allreduce(x)\n"
                    "print('other', x.tolist())")
     assert other.ok and "other [2.0, 2.0, 2.0]" in other.stdout, other.text
-    late = "".join(m["content"].get("text", "") for m in nb.collect_iopub(1.0)
-                   if m["parent"] == half.msg_id and m["type"] == "stream")
+    late = stream_text(nb.collect_iopub(1.0), half.msg_id)
     assert "half [2.0, 2.0, 2.0]" in late, late
     run, took = timed(nb, "%%ranks 1 --hang-timeout 3\nt = torch.ones(3)\ndist.all_reduce(t)",
                       timeout=180)

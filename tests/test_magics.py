@@ -13,6 +13,7 @@ import time
 import psutil
 import pytest
 from conftest import cluster_pids
+from kernel import stream_text
 
 # -- bad input before any cluster -----------------------------------------------------------
 # These run first (the `ranks` fixture starts the cluster later in this module).
@@ -426,13 +427,8 @@ def test_a_cell_that_cannot_ask_says_so_and_its_input_ends_as_at_end_of_file(ran
     assert run.ok and not run.prompts
     said = ("EOFError: a --noblock cell takes no input: input() and debuggers on the ranks "
             "are answered in a cell that waits for them")
-
-    def text_of(messages):
-        return "".join(m["content"].get("text", "") for m in messages
-                       if m["parent"] == run.msg_id)
-
-    messages = ranks.collect_iopub(5.0, until=lambda ms: said in text_of(ms))
-    assert said in text_of(messages), messages
+    messages = ranks.collect_iopub(5.0, until=lambda ms: said in stream_text(ms, run.msg_id))
+    assert said in stream_text(messages, run.msg_id), messages
     # ipyparallel's own %%px cannot answer: the engine's error, at once, as without mpilab
     px = ranks.run("%%px\ninput('px? ')", timeout=30)
     assert not px.ok and not px.prompts and "StdinNotImplementedError" in px.text
@@ -461,9 +457,7 @@ def test_noblock_returns_at_once_and_output_lands_under_its_cell(ranks):
     assert cell.finished - cell.started < 1.5
     other = ranks.run("import time\ntime.sleep(3)\nprint('notebook')")
     assert other.ok and "late" not in other.text
-    messages = ranks.collect_iopub(1.0)
-    late = "".join(m["content"].get("text", "") for m in messages
-                   if m["parent"] == cell.msg_id and m["type"] == "stream")
+    late = stream_text(ranks.collect_iopub(1.0), cell.msg_id)
     assert "[rank 0] late 0" in late and "[rank 1] late 1" in late, late
     assert ranks.run("%%ranks\nprint('next')").ok
 
@@ -477,9 +471,7 @@ def test_ranks_started_after_a_stop_are_not_touched_by_a_noblock_cell_of_the_old
     assert ranks.run("%mpilab stop", timeout=120).ok
     started = ranks.run("%mpilab start -n 2", timeout=180)
     assert started.ok, started.text
-    messages = ranks.collect_iopub(2.0)
-    said = "".join(m["content"].get("text", "") for m in messages
-                   if m["parent"] == cell.msg_id and m["type"] == "stream")
+    said = stream_text(ranks.collect_iopub(2.0), cell.msg_id)
     assert said == ("mpilab: the ranks were stopped while this cell ran (`%mpilab stop` or "
                     "restart)\n"), said
     after = ranks.run("%%ranks\nprint('new', rank)")
@@ -639,13 +631,13 @@ def test_noblock_training_keeps_its_dashboard_updating(ranks):
     cell = ranks.run(TRAIN_CELL.replace("%%ranks", "%%ranks --noblock", 1))
     assert cell.ok and cell.finished - cell.started < 1.5
     def seen(messages):
-        """The dashboard shown, its final view (step 12), and the cell's last line."""
-        mine = [m for m in messages if m["parent"] == cell.msg_id]
-        return ([m for m in mine if m["type"] == "display_data"
-                 and "mpilab dashboard" in m["content"]["data"].get("text/plain", "")],
-                [m for m in mine if m["type"] == "update_display_data"
-                 and "step 12" in m["content"]["data"].get("text/plain", "")],
-                [m for m in mine if "trained" in m["content"].get("text", "")])
+        """Whether the dashboard was shown, its final view (step 12) sent, and the
+        cell's last line printed."""
+        views = [(m["type"], m["content"]["data"].get("text/plain", "")) for m in messages
+                 if m["parent"] == cell.msg_id and "data" in m["content"]]
+        return (any(k == "display_data" and "mpilab dashboard" in t for k, t in views),
+                any(k == "update_display_data" and "step 12" in t for k, t in views),
+                "trained" in stream_text(messages, cell.msg_id))
 
     messages = ranks.collect_iopub(8.0, until=lambda ms: all(seen(ms)))
     shown, final, trained = seen(messages)
@@ -727,8 +719,7 @@ def test_pull_push_behind_a_noblock_cell_say_so_and_ctrl_c_takes_them_back(ranks
         "UsageError: push interrupted: no rank got the values", push.text
     assert "Traceback" not in push.text and "kernel_ext" not in push.text
     def done(messages):
-        return any("[ranks 0-1] first done" in m["content"].get("text", "")
-                   for m in messages if m["parent"] == first.msg_id)
+        return "[ranks 0-1] first done" in stream_text(messages, first.msg_id)
 
     messages = ranks.collect_iopub(3.0, until=done)
     assert done(messages), messages  # the --noblock cell went on, not interrupted
@@ -745,8 +736,8 @@ def test_cell_queued_behind_a_failing_noblock_cell_says_it_did_not_run(ranks):
     assert "[ranks 0-1] did not run the cell: the cell before it there failed" in \
         second.text, second.text
     _assert_one_line_error(second)
-    messages = [m for m in ranks.collect_iopub(1.0) if m["parent"] == first.msg_id]
-    assert any("ValueError: boom" in m["content"].get("text", "") for m in messages), messages
+    said = stream_text(ranks.collect_iopub(1.0), first.msg_id)
+    assert "ValueError: boom" in said, said
     assert ranks.run("%%ranks\nprint('next', rank)").ok
 
 
