@@ -1,32 +1,34 @@
 """mpilab on several hosts: the collectives' bandwidth and start-to-ready, against the peers.
 
-On the emulated cluster (tests/cluster.py: 2 nodes, each its own network, UTS and PID
-namespace with a real sshd and slurmd; 2 ranks a node; traffic over veth pairs and a
-bridge, not a real NIC):
+On the emulated cluster (tests/cluster.py: 2 nodes unless `--nodes` says more, each its
+own network, UTS and PID namespace with a real sshd and slurmd; 2 ranks a node; traffic
+over veth pairs and a bridge, not a real NIC):
 
 1. bus bandwidth (nccl-tests' busbw: allreduce 2(n-1)/n x bytes / time, broadcast
    bytes / time, allgather (n-1)/n x gathered bytes / time), float32, 4 KiB to 64 MiB
-   (an allgather's part on each rank), of the public calls `mpilab.allreduce(tensor)`
-   (node-local shared memory, then MPI between the nodes), `mpilab.broadcast(tensor)`
-   and `mpilab.allgather(tensor, out=...)` (MPI's non-blocking collectives over every
-   rank, driven), mpi4py's blocking `Allreduce` / `Bcast` / `Allgather` and torch gloo's
+   (an allgather's part on each rank), of the public calls `mpilab.allreduce(tensor)`,
+   `mpilab.broadcast(tensor)` and `mpilab.allgather(tensor, out=...)` (each node's
+   shared memory, then MPI between the nodes: docs/cluster.md says which way each size
+   goes), mpi4py's blocking `Allreduce` / `Bcast` / `Allgather` and torch gloo's
    `dist.all_reduce` / `broadcast` / `all_gather_into_tensor`, interleaved in one run
    (every repeat runs the three in turn, the order rotating, each with three untimed
    calls before its timed loop of about 20 ms: as many calls as fit, at most 1,000),
    median of the slowest rank's time per repeat;
-2. start-to-ready of 4 ranks through ssh (`mpiexec -f hostfile`) and through Slurm
-   (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped, torch.distributed
-   ready) against a bare ipyparallel cluster on the same launcher (engines registered),
-   alternating, median.
+2. start-to-ready of 2 ranks a node through ssh (`mpiexec -f hostfile`) and through
+   Slurm (a batch job), `%mpilab start` (RankCluster.start: ranks bootstrapped,
+   torch.distributed ready) against a bare ipyparallel cluster on the same launcher
+   (engines registered), alternating, median.
 
     .venv/bin/python benchmarks/bench_multinode.py [--repeats 15] [--starts 3] [--no-start]
-        [--ops allreduce,broadcast,allgather] [--bind-to core|none]
+        [--ops allreduce,broadcast,allgather] [--bind-to core|none] [--nodes 2]
 
 The bandwidth run binds each rank to a core (`mpiexec -bind-to core`), as Slurm's task
 affinity and most MPI launchers do on real hosts. Here each emulated host's launcher
 binds its ranks to this machine's cores 0 and 1, so a rank of node1 shares a core with
-its peer of node2; unbound, the kernel moves 4 busy-polling ranks over 2 cores as it
-pleases and the small-message figures of every backend swing by ±30% between runs.
+its peer of every other node; unbound, the kernel moves the busy-polling ranks over 2
+cores as it pleases and the small-message figures of every backend swing by ±30%
+between runs. With 3 nodes (6 ranks on 2 cores) the figures say how the ways compare
+where the node count is not a power of two, not what such hosts would move.
 
 Brings the emulated cluster up and down itself (root, Linux namespaces), each node on
 every core of this machine (the tests' cluster gives each node a core of its own).
@@ -145,13 +147,14 @@ def _fmt(n: int) -> str:
     return f"{n // MIB}M" if n >= MIB else f"{n >> 10}K"
 
 
-def bandwidth(cluster, repeats: int, bind: str, ops: str) -> None:
-    hostfile = cluster.hostfile(slots_per_node=2, nodes=("node1", "node2"))
+def bandwidth(cluster, repeats: int, bind: str, ops: str, per_node: int) -> None:
+    names = [node.name for node in cluster.nodes]
+    hostfile = cluster.hostfile(slots_per_node=per_node, nodes=names)
     env = {**os.environ, **cluster.env()}
     print(f"ranks bound: mpiexec -bind-to {bind}", flush=True)
     subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-f", str(hostfile),
                     "-bind-to", bind,
-                    "-n", "4", sys.executable, __file__, "--on-ranks",
+                    "-n", str(per_node * len(names)), sys.executable, __file__, "--on-ranks",
                     "--repeats", str(repeats), "--ops", ops], env=env, check=True,
                    timeout=3600)
 
@@ -161,16 +164,19 @@ def start_times(cluster, starts: int) -> None:
     from mpilab.cluster import ClusterConfig, RankCluster
     from mpilab.placement import SlurmSettings, batch_script
 
-    hostfile = str(cluster.hostfile(slots_per_node=2, nodes=("node1", "node2")))
+    names = [node.name for node in cluster.nodes]
+    hostfile = str(cluster.hostfile(slots_per_node=2, nodes=names))
+    nodes = len(names)
+    n = 2 * nodes
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     engine = [sys.executable, "-m", "ipyparallel.engine"]
 
     def mpilab_start(launcher: str) -> float:
         if launcher == "mpi":
-            config = ClusterConfig(n=4, hostfile=hostfile)
+            config = ClusterConfig(n=n, hostfile=hostfile)
         else:
-            config = ClusterConfig(n=4, launcher="slurm",
-                                   slurm=SlurmSettings(nodes="2", tasks_per_node=2))
+            config = ClusterConfig(n=n, launcher="slurm",
+                                   slurm=SlurmSettings(nodes=str(nodes), tasks_per_node=2))
         ranks = RankCluster(config)
         began = time.perf_counter()
         ranks.start()
@@ -179,22 +185,22 @@ def start_times(cluster, starts: int) -> None:
         return took
 
     def bare_start(launcher: str) -> float:
-        bare = ipp.Cluster(engines="mpi" if launcher == "mpi" else "slurm", n=4,
+        bare = ipp.Cluster(engines="mpi" if launcher == "mpi" else "slurm", n=n,
                            controller_ip=cluster.head_address, log_level=40, delay=0)
         if launcher == "mpi":
             bare.config.MPIEngineSetLauncher.mpi_cmd = [mpiexec]
             bare.config.MPIEngineSetLauncher.mpi_args = ["-f", hostfile]
             bare.config.MPIEngineSetLauncher.engine_cmd = engine
-        else:  # the same job shape: mpiexec inside one batch job of 2 nodes
+        else:  # the same job shape: mpiexec inside one batch job of these nodes
             slurm = bare.config.SlurmEngineSetLauncher
             slurm.engine_cmd = engine
-            slurm.batch_template = batch_script(SlurmSettings(nodes="2", tasks_per_node=2),
-                                                mpiexec)
+            slurm.batch_template = batch_script(
+                SlurmSettings(nodes=str(nodes), tasks_per_node=2), mpiexec)
             slurm.batch_file_name = str(Path(bare.profile_dir) / "log" / "bare.sbatch")
         began = time.perf_counter()
         bare.start_cluster_sync()
         client = bare.connect_client_sync()
-        client.wait_for_engines(4, timeout=180, interactive=False)
+        client.wait_for_engines(n, timeout=180, interactive=False)
         took = time.perf_counter() - began
         client.close()
         bare.stop_cluster_sync()
@@ -213,7 +219,7 @@ def start_times(cluster, starts: int) -> None:
             os.environ.update(saved)
         med = {k: statistics.median(v) for k, v in times.items()}
         via = "ssh (mpiexec -f)" if launcher == "mpi" else "Slurm (sbatch)"
-        print(f"start-to-ready, 4 ranks on 2 nodes through {via}, {starts} alternating "
+        print(f"start-to-ready, {n} ranks on {nodes} nodes through {via}, {starts} alternating "
               f"repetitions: mpilab {med['mpilab']:.2f} s (all "
               f"{', '.join(f'{t:.1f}' for t in times['mpilab'])}), bare ipyparallel "
               f"{med['bare']:.2f} s (all {', '.join(f'{t:.1f}' for t in times['bare'])}), "
@@ -230,6 +236,9 @@ def main() -> int:
     parser.add_argument("--bind-to", choices=("core", "none"), default="core",
                         help="how mpiexec binds the bandwidth run's ranks (default: one "
                         "core each, as Slurm and most MPI launchers do)")
+    parser.add_argument("--nodes", type=count, default=2, help="emulated hosts (default 2)")
+    parser.add_argument("--per-node", type=count, default=2,
+                        help="the bandwidth run's ranks on each host (default 2)")
     parser.add_argument("--on-ranks", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     ops = [op.strip() for op in args.ops.split(",") if op.strip()]
@@ -241,10 +250,13 @@ def main() -> int:
         return 0
     from cluster import EmulatedCluster
 
-    cluster = EmulatedCluster(("node1", "node2"), every_core=True)
+    if args.nodes < 2:
+        parser.error("--nodes: at least 2 (ranks on one host: bench_allreduce.py)")
+    cluster = EmulatedCluster(tuple(f"node{i + 1}" for i in range(args.nodes)),
+                              every_core=True)
     cluster.up()
     try:
-        bandwidth(cluster, args.repeats, args.bind_to, ",".join(ops))
+        bandwidth(cluster, args.repeats, args.bind_to, ",".join(ops), args.per_node)
         if not args.no_start:
             start_times(cluster, args.starts)
     finally:
