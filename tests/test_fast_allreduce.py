@@ -228,8 +228,11 @@ report_in_turn({"failures": failures, "path": fa.plan_for(comm).path})
 """
 
 
-def test_forced_mpi_path():
-    results = run_ranks(IN_TURN + SMALL, n=2, env={"MPILAB_ALLREDUCE": "mpi"})
+@pytest.mark.parametrize("n", [2, 3])
+def test_forced_mpi_path(n):
+    # 3 ranks: the pairwise exchange folds the third into the first, and the largest
+    # messages go round a ring of uneven segments
+    results = run_ranks(IN_TURN + SMALL, n=n, env={"MPILAB_ALLREDUCE": "mpi"})
     assert all(res == {"failures": [], "path": "mpi"} for res in results)
 
 
@@ -246,12 +249,12 @@ from mpilab.rank import fast_allreduce as fa
 
 comm, n, r = ctx.comm, ctx.world_size, ctx.rank
 plan = fa.plan_for(comm)
-out = {"path": plan.path, "exchange": plan.exchange if plan.leaders is not None else None,
-       "spread": plan.spread}
+out = {"path": plan.path, "leads": plan.leaders is not None, "spread": plan.spread}
 failures, digests = [], []
 # spread over full nodes: below SPLIT_MIN_BYTES whole buffers cross, from it each
 # rank's slice (odd counts: slices of unequal length), chunk by chunk (the last one
-# short). Leaders: pairwise up to EXCHANGE_MAX_BYTES, then Iallreduce.
+# short). Leaders: pairwise up to EXCHANGE_MAX_BYTES, then Iallreduce. Peers or
+# leaders not a power of two: the ones past it folded in first.
 for count in (1, 3, 1000, fa.SPLIT_MIN_BYTES // 4 - 1, fa.SPLIT_MIN_BYTES // 4 + 3,
               fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1,
               (3 << 20) // 4 + 7):
@@ -271,19 +274,18 @@ report_in_turn(out)
 """
 
 
-@pytest.mark.parametrize(("n", "exchange", "spread"),
-                         [(4, True, True), (8, True, True), (7, True, False),
-                          (5, False, False)])
-def test_between_nodes_by_node_count_and_fill(n, exchange, spread):
+@pytest.mark.parametrize(("n", "spread"), [(4, True), (6, True), (8, True), (7, False),
+                                           (5, False)])
+def test_between_nodes_by_node_count_and_fill(n, spread):
     # nodes of 2 emulated ranks. 4 ranks: 2 full nodes, so every rank reduces with its
-    # peer on the other node; 8 ranks: 4 full nodes (slices past EXCHANGE_MAX_BYTES go
-    # through the peers' Iallreduce); 7 ranks: 4 leaders (one node holds 1 rank), so
-    # the leaders exchange up to EXCHANGE_MAX_BYTES; 5 ranks: 3 leaders, not a power of
-    # two: MPI's Iallreduce
+    # peer on the other node; 6 ranks: 3 full nodes, so every rank with its 2 peers (the
+    # third folded into the first; slices past EXCHANGE_MAX_BYTES round a ring); 8
+    # ranks: 4 full nodes (slices past EXCHANGE_MAX_BYTES go through the peers'
+    # Iallreduce); 7 ranks: 4 leaders (one node holds 1 rank), so the leaders exchange
+    # up to EXCHANGE_MAX_BYTES; 5 ranks: 3 leaders, the third folded into the first
+    # (past EXCHANGE_MAX_BYTES: a ring)
     results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
-    leaders = [res for res in results if res["exchange"] is not None]
-    assert len(leaders) == (n + 1) // 2
-    assert all(res["exchange"] is exchange for res in leaders)
+    assert sum(res["leads"] for res in results) == (n + 1) // 2
     assert all(res["spread"] is spread for res in results)
     assert all(res["path"] == "hierarchical" and res["failures"] == [] and res["identical"]
                for res in results)

@@ -7,7 +7,7 @@ schedule at every call, which costs more than a few KiB's trip between hosts); h
 nodes' copies run through shared memory at memory speed, and between the nodes:
 
 - **striped**, where every node holds as many ranks (the plan's `peers`, over which
-  the allreduce's `_spread` runs where the node count is a power of two): node rank j
+  the allreduce's `_spread` runs): node rank j
   carries the j-th share of the message to node rank j of every other node, so every
   rank's link carries a share and no one rank sends it all. A broadcast: the root's node
   gets the whole message, each of its ranks sends its stripe down a binomial tree of its

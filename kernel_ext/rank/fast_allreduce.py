@@ -14,10 +14,12 @@ communicator:
 - ``hierarchical``: several nodes, some with several ranks: reduce within each node
   through shared memory, allreduce among one leader per node over MPI, broadcast back
   within the node. Between the leaders, messages up to EXCHANGE_MAX_BYTES go by pairwise
-  exchange (recursive doubling over point-to-point sends, where the leader count is a
-  power of two): MPICH's non-blocking Iallreduce builds a schedule per call, which at
-  4 KiB cost more than the message's whole trip between two emulated hosts. Where every
-  node holds as many ranks and the node count is a power of two, no rank leads: each
+  exchange (recursive doubling over point-to-point sends; a leader count that is not a
+  power of two folds the leaders past the largest power of two in first): MPICH's
+  non-blocking Iallreduce builds a schedule per call, which at 4 KiB cost more than the
+  message's whole trip between two emulated hosts. Larger messages go by MPI's
+  Iallreduce, or round a ring where the leader count is not a power of two
+  (RING_MAX_RANKS says why). Where every node holds as many ranks, no rank leads: each
   rank reduces a slice of the message within its node and the same slice with its
   peers on the other nodes (`_spread`), so every rank's link carries a share and
   nobody waits for a broadcast.
@@ -59,10 +61,17 @@ from .waiting import drain, drive, drive_all, wait_interruptibly
 
 _KINDS = "fiu"
 _OPS = frozenset(("sum", "max", "min"))
-# Up to this size the leaders exchange whole buffers pairwise; above it, Iallreduce's
-# reduce-scatter halves what each leader adds up.
+# Up to this size the leaders exchange whole buffers pairwise; above it, a
+# reduce-scatter (MPI's Iallreduce, or the ring) halves what each leader adds up.
 EXCHANGE_MAX_BYTES = 64 << 10
 _EXCHANGE_TAG = 0x6D6C
+# Above the exchange's sizes, a rank count that is not a power of two goes round a ring
+# (`_ring_allreduce`) up to this many ranks: MPICH's Iallreduce folds the ranks past the
+# largest power of two into others, which then carry their messages too (3 emulated
+# hosts: 16-64 MiB 1.2-1.5x faster round the ring with 2 ranks a host, 1.3-2.1x with
+# one; 4 hosts: level). A ring takes 2 (n - 1) trips, so many ranks stay with MPI's
+# (where that starts to pay is not measured).
+RING_MAX_RANKS = 16
 # From this size, evenly filled nodes split the exchange: each rank sends only the
 # slice of the node's sum it owns, and shared memory gathers the slices (a second node
 # barrier). 2 emulated hosts of 2 ranks: whole 67 / split 81 µs at 32 KiB, 119 / 92 µs
@@ -106,18 +115,15 @@ class Plan:
     # leaders' (None on a rank that takes part through shared memory only)
     between: object | None
     # where every node holds as many ranks: the ranks with this rank's node rank, one
-    # per node (the broadcast and allgather stripe over them, `across_nodes`; where the
-    # node count is a power of two, `_spread` reduces over them)
+    # per node (the broadcast and allgather stripe over them, `across_nodes`; `_spread`
+    # reduces over them)
     peers: object | None = None
     places: Places | None = None  # on the hierarchical path
 
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
         self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
-        size = self.between.Get_size() if self.between is not None else 0
-        # pairwise exchange needs partners rank ^ 1, ^ 2, ...: a power-of-two count
-        self.exchange = size > 1 and _power_of_two(size)
-        self.spread = self.peers is not None and _power_of_two(self.peers.Get_size())
+        self.spread = self.peers is not None
         self._scratch = np.empty(0, dtype=np.uint8)
         self.persistent = Persistent(self.comm, self.wait)
 
@@ -262,10 +268,6 @@ def _places(comm, node_comm, leaders) -> Places:
                   members, peer_rank_of)
 
 
-def _power_of_two(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _mpi_allreduce(array: np.ndarray, op: str, comm, plan: Plan) -> None:
     """MPI's Iallreduce over `comm` (the plan's, or a part of it), waited for as the
     plan waits."""
@@ -276,29 +278,80 @@ def _mpi_allreduce(array: np.ndarray, op: str, comm, plan: Plan) -> None:
 
 
 def _between(flat: np.ndarray, op: str, plan: Plan) -> None:
-    """The MPI step: over plan.between, by pairwise exchange up to EXCHANGE_MAX_BYTES
-    (a power-of-two count of ranks), else MPI's Iallreduce."""
-    if plan.exchange and flat.nbytes <= EXCHANGE_MAX_BYTES:
+    """The MPI step: over plan.between, by pairwise exchange up to EXCHANGE_MAX_BYTES,
+    else as `_large` says."""
+    if flat.nbytes <= EXCHANGE_MAX_BYTES:
         _exchange_allreduce(flat, op, plan.between, plan)
     else:
-        _mpi_allreduce(flat, op, plan.between, plan)
+        _large(flat, op, plan.between, plan)
+
+
+def _large(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
+    """A message above the exchange's sizes over `comm`: round a ring where the rank
+    count is not a power of two (up to RING_MAX_RANKS), else MPI's Iallreduce."""
+    size = comm.Get_size()
+    if size & (size - 1) and size <= RING_MAX_RANKS:
+        _ring_allreduce(flat, op, comm, plan)
+    else:
+        _mpi_allreduce(flat, op, comm, plan)
 
 
 def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
-    """Allreduce over `comm` (a power-of-two count of ranks) by recursive doubling: at
-    step k each rank swaps its whole buffer with rank ^ 2**k and combines. Both partners
-    combine the same two operands (IEEE addition, max and min are commutative), so every
-    rank ends with the same bits."""
+    """Allreduce over `comm` by recursive doubling among the first 2**k ranks (the
+    largest power of two of them): at step j each swaps its whole buffer with rank
+    ^ 2**j and combines. A rank past them (3 ranks: rank 2) first hands its buffer to
+    rank - 2**k, which combines it in, and gets the result back at the end: two steps
+    more, as MPICH's own recursive doubling does. Both partners of a swap combine the
+    same two operands (IEEE addition, max and min are commutative) and a rank past them
+    gets a copy, so every rank ends with the same bits."""
     me, size = comm.Get_rank(), comm.Get_size()
+    power = 1 << (size.bit_length() - 1)
     incoming = plan.scratch(flat)
+    if me >= power:  # hand the buffer in, get the result back
+        partner = me - power
+        receive = comm.Irecv(incoming, partner, _EXCHANGE_TAG)
+        drive_all([receive, comm.Isend(flat, partner, _EXCHANGE_TAG)], [receive])
+        flat[...] = incoming
+        return
     combine = UFUNCS[op]
+    folded = me + power < size  # a rank past the power hands its buffer to this one
+    if folded:
+        receive = comm.Irecv(incoming, me + power, _EXCHANGE_TAG)
+        drive(receive, receive=True)
+        combine(flat, incoming, out=flat)
     mask = 1
-    while mask < size:
+    while mask < power:
         peer = me ^ mask
         receive = comm.Irecv(incoming, peer, _EXCHANGE_TAG)
         drive_all([receive, comm.Isend(flat, peer, _EXCHANGE_TAG)], [receive])
         combine(flat, incoming, out=flat)
         mask <<= 1
+    if folded:
+        drive(comm.Isend(flat, me + power, _EXCHANGE_TAG))
+
+
+def _ring_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
+    """Allreduce over `comm` round a ring: its ranks reduce one segment of `flat` each,
+    passing partial sums to the next rank (size - 1 steps), then pass the sums round
+    (size - 1 steps more). Each rank sends and receives 2 (size - 1) / size of the
+    buffer, whatever the rank count, and each segment's sum is computed by one rank
+    and copied to the others, so every rank ends with the same bits."""
+    me, size = comm.Get_rank(), comm.Get_size()
+    edges = [flat.size * k // size for k in range(size + 1)]
+    segment = [flat[edges[k]:edges[k + 1]] for k in range(size)]
+    right, left = (me + 1) % size, (me - 1) % size
+    incoming = plan.scratch(max(segment, key=len))
+    combine = UFUNCS[op]
+    for step in range(size - 1):
+        out, into = segment[(me - step) % size], segment[(me - step - 1) % size]
+        held = incoming[:into.size]
+        receive = comm.Irecv(held, left, _EXCHANGE_TAG)
+        drive_all([receive, comm.Isend(out, right, _EXCHANGE_TAG)], [receive])
+        combine(into, held, out=into)
+    for step in range(size - 1):
+        out, into = segment[(me + 1 - step) % size], segment[(me - step) % size]
+        receive = comm.Irecv(into, left, _EXCHANGE_TAG)
+        drive_all([receive, comm.Isend(out, right, _EXCHANGE_TAG)], [receive])
 
 
 def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
@@ -378,8 +431,8 @@ def _spread(flat: np.ndarray, op: str, plan: Plan) -> None:
 
 def _among_peers(part: np.ndarray, op: str, plan: Plan) -> None:
     """Allreduce `part` with this rank's peers (one per node): pairwise exchange where
-    that sends each byte once (2 nodes) or the part is small, else MPI's Iallreduce."""
+    that sends each byte once (2 nodes) or the part is small, else as `_large` says."""
     if plan.peers.Get_size() == 2 or part.nbytes <= EXCHANGE_MAX_BYTES:
         _exchange_allreduce(part, op, plan.peers, plan)
     else:
-        _mpi_allreduce(part, op, plan.peers, plan)
+        _large(part, op, plan.peers, plan)
