@@ -12,6 +12,11 @@ from pathlib import Path
 
 VENV_BIN = Path(sys.executable).parent
 MPIEXEC = str(VENV_BIN / "mpiexec")
+# `init` for a snippet that needs only MPI (mpilab's numpy collectives): the rank's
+# rank, world size and world communicator, as mpilab.init() gives them, without torch
+# (whose import and process group cost each rank about 2 s of CPU)
+MPI_ONLY = ("__import__('types').SimpleNamespace(comm=MPI.COMM_WORLD, "
+            "rank=MPI.COMM_WORLD.Get_rank(), world_size=MPI.COMM_WORLD.Get_size())")
 
 
 def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = None,
@@ -19,14 +24,16 @@ def run_ranks(code: str, n: int = 2, timeout: float = 180, env: dict | None = No
     """Run `code` under `mpiexec -n n`; each rank may call `report(obj)` once.
 
     Returns the reported objects ordered by rank. The snippet starts with
-    `import mpilab; ctx = <init>` already done. Each rank reports into its own
-    file: mpiexec interleaves lines that ranks print at the same moment.
+    `import mpilab; from mpi4py import MPI; ctx = <init>` already done. Each rank
+    reports into its own file: mpiexec interleaves lines that ranks print at the same
+    moment.
     """
     results_dir = tempfile.mkdtemp(prefix="mpilab-ranks-")
     prelude = textwrap.dedent(
         f"""
         import json, sys
         import mpilab
+        from mpi4py import MPI
         ctx = {init}
         def report(obj):
             with open({results_dir!r} + f"/{{ctx.rank}}.json", "w") as f:

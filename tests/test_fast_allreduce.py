@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from mpilab.rank import across_nodes
-from mpirun import run_ranks
+from mpirun import MPI_ONLY, run_ranks
 
 # Ranks report one after another: lines printed at the same moment by two ranks can
 # reach mpiexec's stdout interleaved.
@@ -183,7 +183,7 @@ report_in_turn({"failures": failures, "path": fa.plan_for(comm).path,
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_shared_memory_path_every_dtype_op_and_size(n):
-    results = run_ranks(IN_TURN + CHECK_ALL, n=n, timeout=240)
+    results = run_ranks(IN_TURN + CHECK_ALL, n=n, timeout=240, init=MPI_ONLY)
     for res in results:
         assert res["failures"] == []
         assert res["path"] == "shm"  # one node: the shared-memory engine, not MPI
@@ -232,13 +232,13 @@ report_in_turn({"failures": failures, "path": fa.plan_for(comm).path})
 def test_forced_mpi_path(n):
     # 3 ranks: the pairwise exchange folds the third into the first, and the largest
     # messages go round a ring of uneven segments
-    results = run_ranks(IN_TURN + SMALL, n=n, env={"MPILAB_ALLREDUCE": "mpi"})
+    results = run_ranks(IN_TURN + SMALL, n=n, env={"MPILAB_ALLREDUCE": "mpi"}, init=MPI_ONLY)
     assert all(res == {"failures": [], "path": "mpi"} for res in results)
 
 
 def test_hierarchical_path_with_emulated_nodes():
     # 3 ranks as nodes {0, 1} and {2}: a shared-memory node and a lone rank, two leaders.
-    results = run_ranks(IN_TURN + SMALL, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    results = run_ranks(IN_TURN + SMALL, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "2"}, init=MPI_ONLY)
     assert all(res == {"failures": [], "path": "hierarchical"} for res in results)
 
 
@@ -284,7 +284,8 @@ def test_between_nodes_by_node_count_and_fill(n, spread):
     # Iallreduce); 7 ranks: 4 leaders (one node holds 1 rank), so the leaders exchange
     # up to EXCHANGE_MAX_BYTES; 5 ranks: 3 leaders, the third folded into the first
     # (past EXCHANGE_MAX_BYTES: a ring)
-    results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"})
+    results = run_ranks(IN_TURN + LEADERS, n=n, env={"MPILAB_EMULATE_NODE_SIZE": "2"},
+                        init=MPI_ONLY)
     assert sum(res["leads"] for res in results) == (n + 1) // 2
     assert all(res["spread"] is spread for res in results)
     assert all(res["path"] == "hierarchical" and res["failures"] == [] and res["identical"]
