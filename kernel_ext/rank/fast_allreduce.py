@@ -290,7 +290,8 @@ def _large(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     """A message above the exchange's sizes over `comm`: round a ring where the rank
     count is not a power of two (up to RING_MAX_RANKS), else MPI's Iallreduce."""
     size = comm.Get_size()
-    if size & (size - 1) and size <= RING_MAX_RANKS:
+    power_of_two = size & (size - 1) == 0
+    if not power_of_two and size <= RING_MAX_RANKS:
         _ring_allreduce(flat, op, comm, plan)
     else:
         _mpi_allreduce(flat, op, comm, plan)
@@ -309,8 +310,7 @@ def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     incoming = plan.scratch(flat)
     if me >= power:  # hand the buffer in, get the result back
         partner = me - power
-        receive = comm.Irecv(incoming, partner, _EXCHANGE_TAG)
-        drive_all([receive, comm.Isend(flat, partner, _EXCHANGE_TAG)], [receive])
+        _swap(comm, flat, partner, incoming, partner)
         flat[...] = incoming
         return
     combine = UFUNCS[op]
@@ -322,12 +322,18 @@ def _exchange_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     mask = 1
     while mask < power:
         peer = me ^ mask
-        receive = comm.Irecv(incoming, peer, _EXCHANGE_TAG)
-        drive_all([receive, comm.Isend(flat, peer, _EXCHANGE_TAG)], [receive])
+        _swap(comm, flat, peer, incoming, peer)
         combine(flat, incoming, out=flat)
         mask <<= 1
     if folded:
         drive(comm.Isend(flat, me + power, _EXCHANGE_TAG))
+
+
+def _swap(comm, out: np.ndarray, to: int, into: np.ndarray, source: int) -> None:
+    """Send `out` to rank `to` while `into` is received from rank `source`: one step of
+    the exchange or the ring, driven until both are done."""
+    receive = comm.Irecv(into, source, _EXCHANGE_TAG)
+    drive_all([receive, comm.Isend(out, to, _EXCHANGE_TAG)], [receive])
 
 
 def _ring_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
@@ -345,13 +351,11 @@ def _ring_allreduce(flat: np.ndarray, op: str, comm, plan: Plan) -> None:
     for step in range(size - 1):
         out, into = segment[(me - step) % size], segment[(me - step - 1) % size]
         held = incoming[:into.size]
-        receive = comm.Irecv(held, left, _EXCHANGE_TAG)
-        drive_all([receive, comm.Isend(out, right, _EXCHANGE_TAG)], [receive])
+        _swap(comm, out, right, held, left)
         combine(into, held, out=into)
     for step in range(size - 1):
         out, into = segment[(me + 1 - step) % size], segment[(me - step) % size]
-        receive = comm.Irecv(into, left, _EXCHANGE_TAG)
-        drive_all([receive, comm.Isend(out, right, _EXCHANGE_TAG)], [receive])
+        _swap(comm, out, right, into, left)
 
 
 def allreduce_inplace(array: np.ndarray, op: str, comm) -> None:
