@@ -487,6 +487,43 @@ def test_a_collective_stopped_again_and_again_leaves_nothing_for_the_next_ones()
     assert results == [{"failures": [], "abandoned": 0}] * 2, results
 
 
+STOPPED_RING = STOPPED_ON_RANK_0 + """
+from mpilab.rank import fast_allreduce as fa
+
+count = fa.EXCHANGE_MAX_BYTES // 4 + 1000  # past the exchange: round the ring of 3
+mpilab.allreduce(torch.ones(count))  # the communicators and their plans exist
+for stop in range(2):
+    # the others never join: rank 0's first segment reaches rank 1, unreceived
+    stopped_on_rank_0(lambda: mpilab.allreduce(torch.ones(count)))
+    time.sleep(0.6)
+    waiting.abort("stopped")
+    waiting.recover()
+    x = torch.arange(count, dtype=torch.float32) * (ctx.rank + 1)
+    try:
+        mpilab.allreduce(x)
+    except Exception as e:
+        failures.append(f"after stop {stop}: {e}")
+    else:
+        if not torch.equal(x, torch.arange(count, dtype=torch.float32) * 6):
+            failures.append(f"after stop {stop}: {x[:4].tolist()}")
+report_in_turn({"failures": failures, "abandoned": len(waiting._abandoned)})
+"""
+
+
+def test_a_ring_stopped_half_way_leaves_nothing_for_the_next_allreduce():
+    # 3 emulated nodes of 1 rank: an allreduce past EXCHANGE_MAX_BYTES goes round a
+    # ring (3 is not a power of two). Rank 0 is stopped in its first step, the others
+    # never began: after the recovery the next allreduce gets every rank's part. Rank
+    # 0's segment to rank 1 is too large to leave at once (MPI sends it when rank 1
+    # receives it), so that send stays kept with its buffer until the next recovery
+    # drains its communicator on rank 1: the last stop's, never more (the first stop's
+    # is gone after the second recovery)
+    results = run_ranks(IN_TURN + STOPPED_RING, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "1"})
+    assert [res["failures"] for res in results] == [[]] * 3, results
+    assert results[0]["abandoned"] <= 1, results
+    assert results[1]["abandoned"] == results[2]["abandoned"] == 0, results
+
+
 LEFT_STARTED = STOPPED_ON_RANK_0 + """
 from mpi4py import MPI
 
