@@ -1,8 +1,9 @@
 """mpilab on several hosts: the collectives' bandwidth and start-to-ready, against the peers.
 
 On the emulated cluster (tests/cluster.py: 2 nodes unless `--nodes` says more, each its
-own network, UTS and PID namespace with a real sshd and slurmd; 2 ranks a node; traffic
-over veth pairs and a bridge, not a real NIC):
+own network, UTS and PID namespace with a real sshd and slurmd; 2 ranks a node unless
+`--per-node` says otherwise for the bandwidth run; traffic over veth pairs and a bridge,
+not a real NIC):
 
 1. bus bandwidth (nccl-tests' busbw: allreduce 2(n-1)/n x bytes / time, broadcast
    bytes / time, allgather (n-1)/n x gathered bytes / time), float32, 4 KiB to 64 MiB
@@ -20,7 +21,7 @@ over veth pairs and a bridge, not a real NIC):
    (engines registered), alternating, median.
 
     .venv/bin/python benchmarks/bench_multinode.py [--repeats 15] [--starts 3] [--no-start]
-        [--ops allreduce,broadcast,allgather] [--bind-to core|none] [--nodes 2]
+        [--ops allreduce,broadcast,allgather] [--bind-to core|none] [--nodes 2] [--per-node 2]
 
 The bandwidth run binds each rank to a core (`mpiexec -bind-to core`), as Slurm's task
 affinity and most MPI launchers do on real hosts. Here each emulated host's launcher
@@ -148,13 +149,13 @@ def _fmt(n: int) -> str:
 
 
 def bandwidth(cluster, repeats: int, bind: str, ops: str, per_node: int) -> None:
-    names = [node.name for node in cluster.nodes]
-    hostfile = cluster.hostfile(slots_per_node=per_node, nodes=names)
+    hostfile = cluster.hostfile(slots_per_node=per_node)  # every node
+    ranks = per_node * len(cluster.names)
     env = {**os.environ, **cluster.env()}
     print(f"ranks bound: mpiexec -bind-to {bind}", flush=True)
     subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-f", str(hostfile),
                     "-bind-to", bind,
-                    "-n", str(per_node * len(names)), sys.executable, __file__, "--on-ranks",
+                    "-n", str(ranks), sys.executable, __file__, "--on-ranks",
                     "--repeats", str(repeats), "--ops", ops], env=env, check=True,
                    timeout=3600)
 
@@ -164,9 +165,8 @@ def start_times(cluster, starts: int) -> None:
     from mpilab.cluster import ClusterConfig, RankCluster
     from mpilab.placement import SlurmSettings, batch_script
 
-    names = [node.name for node in cluster.nodes]
-    hostfile = str(cluster.hostfile(slots_per_node=2, nodes=names))
-    nodes = len(names)
+    hostfile = str(cluster.hostfile(slots_per_node=2))  # every node
+    nodes = len(cluster.names)
     n = 2 * nodes
     mpiexec = str(Path(sys.executable).parent / "mpiexec")
     engine = [sys.executable, "-m", "ipyparallel.engine"]

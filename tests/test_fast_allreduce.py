@@ -249,12 +249,18 @@ from mpilab.rank import fast_allreduce as fa
 
 comm, n, r = ctx.comm, ctx.world_size, ctx.rank
 plan = fa.plan_for(comm)
-out = {"path": plan.path, "leads": plan.leaders is not None, "spread": plan.spread}
+rings = [0]  # allreduces that went round a ring on this rank
+round_the_ring = fa._ring_allreduce
+def counting(*args):
+    rings[0] += 1
+    round_the_ring(*args)
+fa._ring_allreduce = counting
 failures, digests = [], []
 # spread over full nodes: below SPLIT_MIN_BYTES whole buffers cross, from it each
 # rank's slice (odd counts: slices of unequal length), chunk by chunk (the last one
 # short). Leaders: pairwise up to EXCHANGE_MAX_BYTES, then Iallreduce. Peers or
-# leaders not a power of two: the ones past it folded in first.
+# leaders not a power of two: the ones past it folded in first, and round a ring
+# instead of Iallreduce.
 for count in (1, 3, 1000, fa.SPLIT_MIN_BYTES // 4 - 1, fa.SPLIT_MIN_BYTES // 4 + 3,
               fa.EXCHANGE_MAX_BYTES // 4, fa.EXCHANGE_MAX_BYTES // 4 + 1,
               (3 << 20) // 4 + 7):
@@ -268,15 +274,17 @@ for count in (1, 3, 1000, fa.SPLIT_MIN_BYTES // 4 - 1, fa.SPLIT_MIN_BYTES // 4 +
     noisy = np.random.default_rng(r).standard_normal(count).astype(np.float32)
     fa.allreduce_inplace(noisy, "sum", comm)
     digests.append(hashlib.sha1(noisy.tobytes()).hexdigest())
-out["failures"] = failures
+out = {"path": plan.path, "leads": plan.leaders is not None,
+       "spread": plan.peers is not None, "ring": rings[0] > 0, "failures": failures}
 out["identical"] = all(len(set(d)) == 1 for d in zip(*comm.allgather(digests)))
 report_in_turn(out)
 """
 
 
-@pytest.mark.parametrize(("n", "spread"), [(4, True), (6, True), (8, True), (7, False),
-                                           (5, False)])
-def test_between_nodes_by_node_count_and_fill(n, spread):
+@pytest.mark.parametrize(("n", "spread", "ring"),
+                         [(4, True, False), (6, True, True), (8, True, False),
+                          (7, False, False), (5, False, True)])
+def test_between_nodes_by_node_count_and_fill(n, spread, ring):
     # nodes of 2 emulated ranks. 4 ranks: 2 full nodes, so every rank reduces with its
     # peer on the other node; 6 ranks: 3 full nodes, so every rank with its 2 peers (the
     # third folded into the first; slices past EXCHANGE_MAX_BYTES round a ring); 8
@@ -288,6 +296,10 @@ def test_between_nodes_by_node_count_and_fill(n, spread):
                         init=MPI_ONLY)
     assert sum(res["leads"] for res in results) == (n + 1) // 2
     assert all(res["spread"] is spread for res in results)
+    # the ring runs where the peers or leaders are not a power of two (on the leaders only
+    # where they reduce for their node)
+    assert [res["ring"] for res in results] == \
+        [ring and (spread or res["leads"]) for res in results], results
     assert all(res["path"] == "hierarchical" and res["failures"] == [] and res["identical"]
                for res in results)
 
@@ -491,6 +503,12 @@ STOPPED_RING = STOPPED_ON_RANK_0 + """
 from mpilab.rank import fast_allreduce as fa
 
 count = fa.EXCHANGE_MAX_BYTES // 4 + 1000  # past the exchange: round the ring of 3
+rings = [0]  # allreduces that went round the ring on this rank
+round_the_ring = fa._ring_allreduce
+def counting(*args):
+    rings[0] += 1
+    round_the_ring(*args)
+fa._ring_allreduce = counting
 mpilab.allreduce(torch.ones(count))  # the communicators and their plans exist
 for stop in range(2):
     # the others never join: rank 0's first segment reaches rank 1, unreceived
@@ -506,7 +524,8 @@ for stop in range(2):
     else:
         if not torch.equal(x, torch.arange(count, dtype=torch.float32) * 6):
             failures.append(f"after stop {stop}: {x[:4].tolist()}")
-report_in_turn({"failures": failures, "abandoned": len(waiting._abandoned)})
+report_in_turn({"failures": failures, "abandoned": len(waiting._abandoned),
+                "rings": rings[0]})
 """
 
 
@@ -520,6 +539,8 @@ def test_a_ring_stopped_half_way_leaves_nothing_for_the_next_allreduce():
     # is gone after the second recovery)
     results = run_ranks(IN_TURN + STOPPED_RING, n=3, env={"MPILAB_EMULATE_NODE_SIZE": "1"})
     assert [res["failures"] for res in results] == [[]] * 3, results
+    # the first, the 2 stopped (rank 0 only) and the 2 after them
+    assert [res["rings"] for res in results] == [5, 3, 3], results
     assert results[0]["abandoned"] <= 1, results
     assert results[1]["abandoned"] == results[2]["abandoned"] == 0, results
 

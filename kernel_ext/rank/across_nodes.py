@@ -6,18 +6,18 @@ the network one by one and need every rank to drive them (and MPICH builds their
 schedule at every call, which costs more than a few KiB's trip between hosts); here the
 nodes' copies run through shared memory at memory speed, and between the nodes:
 
-- **striped**, where every node holds as many ranks (the plan's `peers`, over which
-  the allreduce's `_spread` runs): node rank j
-  carries the j-th share of the message to node rank j of every other node, so every
-  rank's link carries a share and no one rank sends it all. A broadcast: the root's node
-  gets the whole message, each of its ranks sends its stripe down a binomial tree of its
-  peers, and the other nodes gather the stripes. An allgather: each rank's part goes
-  round a ring of its peers, then every node gathers each node's block. 2 emulated hosts
-  of 2 ranks, µs a call (a one-off script, median of 7 loops, against the way before):
-  broadcast 8 KiB 15-17 against 23-24 through the leaders (mpi4py 26), 1 MiB 670
-  against 770 (930), 8 MiB 4,400 against 8,000 (7,000); allgather, a part of 8 KiB
-  70-75 against 78-80 by MPI's persistent allgather (mpi4py 67-69), 32 KiB 90-132
-  against 128-162 (110-141), 256 KiB 390-970 against 880-1,640 (830-1,560).
+- **striped**, where every node holds as many ranks (the plan's `peers`, over which the
+  allreduce's `_spread` runs too): node rank j carries the j-th share of the message to
+  node rank j of every other node, so every rank's link carries a share and no one rank
+  sends it all. A broadcast: the root's node gets the whole message, each of its ranks
+  sends its stripe down a binomial tree of its peers, and the other nodes gather the
+  stripes. An allgather: each rank's part goes round a ring of its peers, then every
+  node gathers each node's block. 2 emulated hosts of 2 ranks, µs a call (a one-off
+  script, median of 7 loops, against the way before): broadcast 8 KiB 15-17 against
+  23-24 through the leaders (mpi4py 26), 1 MiB 670 against 770 (930), 8 MiB 4,400
+  against 8,000 (7,000); allgather, a part of 8 KiB 70-75 against 78-80 by MPI's
+  persistent allgather (mpi4py 67-69), 32 KiB 90-132 against 128-162 (110-141), 256 KiB
+  390-970 against 880-1,640 (830-1,560).
 - through **one leader per node** elsewhere: a binomial tree of the leaders for a
   broadcast; for an allgather of a large part (ALLGATHER_MIN_BYTES) with every node's
   ranks consecutive, the node blocks round a ring of the leaders.

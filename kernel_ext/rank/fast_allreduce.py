@@ -123,7 +123,6 @@ class Plan:
     def __post_init__(self) -> None:
         # what allreduce_inplace does on this communicator: mpi | shm | hierarchical
         self.path = "mpi" if not self.shm else "hierarchical" if self.multi_node else "shm"
-        self.spread = self.peers is not None
         self._scratch = np.empty(0, dtype=np.uint8)
         self.persistent = Persistent(self.comm, self.wait)
 
@@ -405,7 +404,7 @@ def reducer(comm) -> Callable[[np.ndarray, str], None]:
 def _hierarchical(flat: np.ndarray, op: str, plan: Plan) -> None:
     """Within each node through shared memory, among the node leaders over MPI, and
     back within each node; on evenly filled nodes, spread over every rank (_spread)."""
-    if plan.spread:
+    if plan.peers is not None:  # every node holds as many ranks
         _spread(flat, op, plan)
         return
     if plan.node is not None:
