@@ -535,7 +535,11 @@ class RankCluster:
         jobs = _slurm_jobs(self._ipp_cluster)
         if jobs:
             nodes = placement.slurm_job_nodes(jobs[0])
-            return host_check.ask_with_srun(self._needed, jobs[0], nodes) if nodes else {}
+            asked = host_check.ask_with_srun(self._needed, jobs[0], nodes) if nodes else {}
+            # a job that ended before it could be asked ran its script's probe: mpiexec's
+            # srun says a task failed before the probe's answers reach the job's output
+            return asked or host_check.read_answers(self.engine_output(lines=None),
+                                                    self._needed)
         if self._hostfile and not said_by_a_tool(output):
             hosts = [host for host in placement.hostfile_hosts(self._hostfile, cfg.n)
                      if not placement.is_this_host(host)]
