@@ -23,7 +23,7 @@ lab: install
 
 test: install
 	$(BIN)/ruff check kernel_ext widgets tests benchmarks
-	$(BIN)/pytest -q -ra
+	$(BIN)/pytest -q -ra -n 2
 
 demo: install
 	$(BIN)/mpilab run notebooks/01_quickstart.ipynb -o build/quickstart.ipynb --html build/quickstart.html

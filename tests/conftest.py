@@ -62,3 +62,38 @@ def ranks(_ranks_kernel):
         run = _ranks_kernel.run("%mpilab start -n 2", timeout=180)
         assert run.ok, run.text
     return _ranks_kernel
+
+
+# `make test` runs the suite in two processes (pytest-xdist's `-n 2`): on this project's
+# 2-core machine the suite keeps the cores busy only about 60% of its time, since much of
+# it waits on ranks, daemons and a browser. Each process takes whole groups: a test file,
+# or the files that share what only one process may hold at a time (the emulated hosts;
+# JupyterLab and its browser). The longest groups go first, so that none starts last.
+_GROUPS = {"test_multihost.py": "hosts", "test_cluster_harness.py": "hosts",
+           "test_browser.py": "browser", "test_browser_views.py": "browser",
+           "test_browser_export.py": "browser"}
+_FIRST = ("hosts", "browser", "test_magics.py", "test_failures.py")
+
+
+def _group(nodeid: str) -> str:
+    name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return _GROUPS.get(name, name)
+
+
+def pytest_collection_modifyitems(config, items):
+    first = {group: k for k, group in enumerate(_FIRST)}
+    items.sort(key=lambda item: first.get(_group(item.nodeid), len(first)))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to each process, in the order of the collection (xdist's own
+    `xdist_group` mark does not reach its scheduler with this pytest)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    config.option.loadscopereorder = False
+    return ByGroup(config, log)
