@@ -242,19 +242,25 @@ def test_hierarchical_path_with_emulated_nodes():
     assert all(res == {"failures": [], "path": "hierarchical"} for res in results)
 
 
-LEADERS = """
-import hashlib
-import numpy as np
+# counts, in `rings[0]`, the allreduces that go round a ring on this rank
+COUNTING_RINGS = """
 from mpilab.rank import fast_allreduce as fa
 
-comm, n, r = ctx.comm, ctx.world_size, ctx.rank
-plan = fa.plan_for(comm)
-rings = [0]  # allreduces that went round a ring on this rank
+rings = [0]
 round_the_ring = fa._ring_allreduce
 def counting(*args):
     rings[0] += 1
     round_the_ring(*args)
 fa._ring_allreduce = counting
+"""
+
+
+LEADERS = COUNTING_RINGS + """
+import hashlib
+import numpy as np
+
+comm, n, r = ctx.comm, ctx.world_size, ctx.rank
+plan = fa.plan_for(comm)
 failures, digests = [], []
 # spread over full nodes: below SPLIT_MIN_BYTES whole buffers cross, from it each
 # rank's slice (odd counts: slices of unequal length), chunk by chunk (the last one
@@ -499,16 +505,8 @@ def test_a_collective_stopped_again_and_again_leaves_nothing_for_the_next_ones()
     assert results == [{"failures": [], "abandoned": 0}] * 2, results
 
 
-STOPPED_RING = STOPPED_ON_RANK_0 + """
-from mpilab.rank import fast_allreduce as fa
-
+STOPPED_RING = STOPPED_ON_RANK_0 + COUNTING_RINGS + """
 count = fa.EXCHANGE_MAX_BYTES // 4 + 1000  # past the exchange: round the ring of 3
-rings = [0]  # allreduces that went round the ring on this rank
-round_the_ring = fa._ring_allreduce
-def counting(*args):
-    rings[0] += 1
-    round_the_ring(*args)
-fa._ring_allreduce = counting
 mpilab.allreduce(torch.ones(count))  # the communicators and their plans exist
 for stop in range(2):
     # the others never join: rank 0's first segment reaches rank 1, unreceived
